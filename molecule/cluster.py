@@ -1,0 +1,167 @@
+"""The test cluster: Debian 12 podman containers, each with its own network namespace, hostname,
+address and sshd, reached over SSH with a key and a pinned known_hosts, as a user's nodes are.
+
+    python3 molecule/cluster.py up [--nodes 2]     # start (or reuse) the cluster, write its inventory
+    python3 molecule/cluster.py down               # remove containers and network
+    python3 molecule/cluster.py env                # print the inventory path
+
+The inventory lands in $DSC_TEST_STATE (default .cache/testcluster)/inventory. Node 2 runs sshd on a
+non-default port, so that every test also exercises the port plumbing. A container named
+`dsc-outsider` sits on the same network but not in the inventory (for the firewall scope test).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE = Path(os.environ.get("DSC_TEST_STATE", ROOT / ".cache" / "testcluster"))
+IMAGE = os.environ.get("DSC_IMAGE", "localhost/dscluster-node:bookworm")
+NETWORK = "dsc-test"
+SUBNET = "10.89.77.0/24"
+PREFIX = "dsc-"
+OUTSIDER = PREFIX + "outsider"
+NONDEFAULT_SSH_PORT = 2222
+os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "scripts" / "containers.conf"))
+
+
+def sh(*cmd, check=True, capture=True, input=None):
+    r = subprocess.run(cmd, check=False, text=True, input=input,
+                       stdout=subprocess.PIPE if capture else None,
+                       stderr=subprocess.PIPE if capture else None)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr or ''}{r.stdout or ''}")
+    return r
+
+
+def node_name(i):
+    return f"node{i}"
+
+
+def node_ip(i):
+    return f"10.89.77.{10 + i}"
+
+
+def ssh_port(i):
+    return NONDEFAULT_SSH_PORT if i == 2 else 22
+
+
+def down():
+    names = sh("podman", "ps", "-a", "--format", "{{.Names}}", check=False).stdout.split()
+    mine = [n for n in names if n.startswith(PREFIX)]
+    if mine:
+        sh("podman", "rm", "-f", "-t", "0", *mine, check=False)
+    sh("podman", "network", "rm", "-f", NETWORK, check=False)
+    # Leave the cached image alone; forget the inventory and keys of the old cluster.
+    if STATE.exists():
+        subprocess.run(["rm", "-rf", str(STATE)], check=False)
+
+
+def start(name, hostname, ip, port):
+    sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
+       "--network", NETWORK, "--ip", ip, "--no-hosts",
+       "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--cap-add", "SYS_PTRACE",
+       "--cap-add", "AUDIT_WRITE", "--shm-size", "1g",
+       IMAGE, "/bin/sh", "-c",
+       # Per-container host keys, a hosts file the node owns, then sshd in the foreground.
+       f"ssh-keygen -A && printf '127.0.0.1 localhost\\n{ip} {hostname}\\n' > /etc/hosts "
+       f"&& exec /usr/sbin/sshd -D -p {port}")
+
+
+def up(nodes):
+    if (STATE / "cluster.json").exists():
+        info = json.loads((STATE / "cluster.json").read_text())
+        running = set(sh("podman", "ps", "--format", "{{.Names}}").stdout.split())
+        if info["nodes"] == nodes and all(PREFIX + n["name"] in running for n in info["hosts"]):
+            print(f"reusing cluster of {nodes} nodes: {STATE / 'inventory'}")
+            return info
+    down()
+    STATE.mkdir(parents=True, exist_ok=True)
+    sh("podman", "network", "create", "--subnet", SUBNET, NETWORK)
+    key = STATE / "id_ed25519"
+    sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "dsc-test-control", "-f", str(key))
+    pub = (STATE / "id_ed25519.pub").read_text()
+    hosts = [{"name": node_name(i), "ip": node_ip(i), "port": ssh_port(i)} for i in range(1, nodes + 1)]
+    for h in hosts:
+        start(PREFIX + h["name"], h["name"], h["ip"], h["port"])
+    start(OUTSIDER, "outsider", "10.89.77.200", 22)
+    known = []
+    for h in hosts + [{"name": "outsider", "ip": "10.89.77.200", "port": 22}]:
+        c = PREFIX + h["name"]
+        sh("podman", "exec", "-i", c, "sh", "-c",
+           "mkdir -p -m 700 /root/.ssh && cat > /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys",
+           input=pub)
+        for _ in range(50):
+            r = sh("podman", "exec", c, "cat", "/etc/ssh/ssh_host_ed25519_key.pub", check=False)
+            if r.returncode == 0:
+                break
+            time.sleep(0.2)
+        hostkey = " ".join(r.stdout.split()[:2])
+        addr = h["ip"] if h["port"] == 22 else f"[{h['ip']}]:{h['port']}"
+        known.append(f"{addr} {hostkey}")
+    (STATE / "known_hosts").write_text("\n".join(known) + "\n")
+    write_inventory(hosts)
+    wait_ssh(hosts + [{"name": "outsider", "ip": "10.89.77.200", "port": 22}])
+    info = {"nodes": nodes, "hosts": hosts, "outsider": {"name": OUTSIDER, "ip": "10.89.77.200"}}
+    (STATE / "cluster.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def ssh_args():
+    return ["-i", str(STATE / "id_ed25519"), "-o", f"UserKnownHostsFile={STATE / 'known_hosts'}",
+            "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
+
+
+def wait_ssh(hosts, timeout=60):
+    deadline = time.time() + timeout
+    for h in hosts:
+        while True:
+            r = sh("ssh", *ssh_args(), "-p", str(h["port"]), f"root@{h['ip']}", "true", check=False)
+            if r.returncode == 0:
+                break
+            if time.time() > deadline:
+                raise RuntimeError(f"ssh to {h['name']} ({h['ip']}:{h['port']}) failed: {r.stderr}")
+            time.sleep(0.5)
+
+
+def write_inventory(hosts):
+    inv = STATE / "inventory"
+    (inv / "group_vars").mkdir(parents=True, exist_ok=True)
+    lines = ["# Written by molecule/cluster.py for the test cluster.", "all:", "  children:",
+             "    cluster:", "      hosts:"]
+    for h in hosts:
+        lines += [f"        {h['name']}:", f"          ansible_host: {h['ip']}",
+                  f"          ansible_port: {h['port']}", "          dsc_slots: 1"]
+    (inv / "hosts.yml").write_text("\n".join(lines) + "\n")
+    wheelhouse = os.environ.get("DSC_WHEELHOUSE", str(ROOT / ".cache" / "wheelhouse"))
+    (inv / "group_vars" / "all.yml").write_text(f"""---
+ansible_user: root
+ansible_ssh_private_key_file: {STATE / 'id_ed25519'}
+ansible_ssh_common_args: -o UserKnownHostsFile={STATE / 'known_hosts'}
+dsc_env_manager: venv
+dsc_torch_variant: cpu
+dsc_wheelhouse: {wheelhouse}
+""")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("action", choices=["up", "down", "env"])
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("DSC_TEST_NODES", "2")))
+    a = p.parse_args(argv)
+    if a.action == "up":
+        up(a.nodes)
+        print(STATE / "inventory")
+    elif a.action == "down":
+        down()
+    else:
+        print(STATE / "inventory")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
