@@ -143,6 +143,7 @@ def write_inventory(hosts):
 ansible_user: root
 ansible_ssh_private_key_file: {STATE / 'id_ed25519'}
 ansible_ssh_common_args: -o UserKnownHostsFile={STATE / 'known_hosts'}
+dsc_cluster_name: testcluster
 dsc_env_manager: venv
 dsc_torch_variant: cpu
 dsc_wheelhouse: {wheelhouse}
