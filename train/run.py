@@ -1,0 +1,273 @@
+"""DeepSpeed training entry point: a GPT-style decoder or a BERT-style MLM, with exact resume.
+
+Single node (one process per GPU, or ranks on CPU with DS_ACCELERATOR=cpu):
+    deepspeed --num_gpus 1 --module train.run --deepspeed_config ds_config.json --set size=125m
+Multi-node, as launch.yml runs it from the master (same paths on every node):
+    deepspeed --hostfile hostfile --master_addr ADDR --master_port 29500 \
+        --module train.run --deepspeed_config ds_config.json --config train.json [--resume]
+
+The contract (any script that keeps it can be run by launch.yml):
+  - arguments: --deepspeed_config PATH (the rendered ds_config), --resume (continue from the latest
+    complete checkpoint), anything else the script wants (here --config FILE and --set key=value);
+  - environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT from the launcher, plus the
+    cluster's .deepspeed_env; DSC_RUN_DIR is the run directory (same path on every node);
+  - outputs, in the run directory: metrics.jsonl (one JSON object per logged step),
+    summary.json at the end, checkpoints/<tag>/ with a COMPLETE marker once fully written.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from train.config import ConfigError, load_config
+from train.data import Batches, load_tokens, rank_info
+from train.model import build_model, flops_per_token, largest_layer_params
+
+# Dense bf16/fp16 peak per GPU, for MFU (vendor datasheets).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+              "V100": 125e12}
+COMPLETE = "COMPLETE"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="DeepSpeed GPT/BERT training (see module docstring)")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="ds_config", default="",
+                   help="ds_config.json rendered by launch.yml (default: $DSC_RUN_DIR/ds_config.json)")
+    p.add_argument("--config", default="", help="JSON file of training settings (train/config.py)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def latest_complete(ckpt_dir: Path):
+    """The newest checkpoint tag with its COMPLETE marker; a half-written one is never taken."""
+    tags = [d for d in ckpt_dir.glob("step*") if (d / COMPLETE).exists()] if ckpt_dir.exists() else []
+    return max(tags, key=lambda d: int(d.name[4:]), default=None)
+
+
+def choose_precision(ds_cfg: dict, wanted: str, device: str) -> str:
+    for key in ("bf16", "fp16"):
+        if ds_cfg.get(key, {}).get("enabled"):
+            return key
+    if wanted != "auto":
+        return wanted
+    if device == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes: int) -> dict:
+    """DeepSpeed's own model-state estimators (bytes per GPU / per node CPU)."""
+    n = sum(p.numel() for p in model.parameters())
+    try:
+        if stage == 3:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                n, largest_layer_params(model), gpus_per_node, nodes, cpu_offload=offload,
+                cpu_offload_params=offload, zero_init=True)
+            how = "estimate_zero3_model_states_mem_needs"
+        elif stage == 2:
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+            cpu, gpu = estimate_zero2_model_states_mem_needs(n, gpus_per_node, nodes, cpu_offload=offload)
+            how = "estimate_zero2_model_states_mem_needs"
+        else:
+            # DeepSpeed ships no estimator for stages 0/1: the ZeRO paper's 16 bytes/param split.
+            world = gpus_per_node * nodes
+            gpu = 16 * n if stage == 0 else 4 * n + 12 * n / world
+            cpu, how = 0, "zero-paper formula (16 bytes/param)"
+    except Exception as e:  # an estimator's signature changed: report, don't fail the run
+        return {"method": f"unavailable: {e}", "params": n}
+    return {"method": how, "params": n, "gpu_bytes": int(gpu), "cpu_bytes": int(cpu)}
+
+
+def lr_at(cfg, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def peak_flops(device: str):
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run_dir = Path(os.environ.get("DSC_RUN_DIR") or os.getcwd())
+    ckpt_state = None
+    try:
+        cfg = load_config(args.config or None, args.set)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else run_dir
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+    ds_path = args.ds_config or str(run_dir / "ds_config.json")
+    try:
+        ds_cfg = json.loads(Path(ds_path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"config error: cannot read the DeepSpeed config {ds_path}: {e}", file=sys.stderr)
+        return 2
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    t_start = time.time()
+    timeout = datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", cfg.timeout_min)))
+    deepspeed.init_distributed(timeout=timeout)
+    rank, world, local_rank = rank_info()
+    accel = get_accelerator()
+    device = "cuda" if accel.device_name() == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    precision = choose_precision(ds_cfg, cfg.precision, device)
+    for key in ("bf16", "fp16"):
+        ds_cfg.setdefault(key, {})["enabled"] = precision == key
+    if precision == "fp16":
+        ds_cfg["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling
+        ds_cfg["fp16"].setdefault("loss_scale_window", 1000)
+    mb = int(ds_cfg.get("train_micro_batch_size_per_gpu", 1))
+    ga = int(ds_cfg.get("gradient_accumulation_steps", 1))
+    ds_cfg.setdefault("train_micro_batch_size_per_gpu", mb)
+    ds_cfg.setdefault("gradient_accumulation_steps", ga)
+    ds_cfg.pop("train_batch_size", None)  # derived by DeepSpeed from mb x ga x world
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg)
+    if cfg.compile:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
+    zero = ds_cfg.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    offload = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    gpus_per_node = int(os.environ.get("LOCAL_SIZE", 1))
+    estimate = memory_estimate(model, stage, offload, gpus_per_node, max(1, world // gpus_per_node)) \
+        if cfg.estimate_memory else {}
+
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = None
+    if "optimizer" not in ds_cfg:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           optimizer=optimizer, config=ds_cfg)
+    start_step = 0
+    if args.resume:
+        tag = latest_complete(ckpt_dir)
+        if tag is None:
+            if rank == 0:
+                print(f"resume: no complete checkpoint in {ckpt_dir}; starting from step 0", flush=True)
+        else:
+            _, ckpt_state = engine.load_checkpoint(str(ckpt_dir), tag=tag.name)
+            start_step = int(ckpt_state["step"])
+            if rank == 0:
+                print(f"resume: loaded {tag} (step {start_step})", flush=True)
+
+    tokens = load_tokens(cfg)
+    batches = Batches(cfg, tokens, mb, ga, world, rank)
+    fpt = flops_per_token(model, cfg)
+    peak = peak_flops(device)
+    tokens_per_step = mb * ga * world * cfg.seq_len
+    metrics = (run_dir / "metrics.jsonl").open("a") if rank == 0 else None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print(json.dumps({"event": "start", "rank0_host": os.uname().nodename, "world": world,
+                          "precision": precision, "zero_stage": stage, "offload": offload,
+                          "params": n_params,
+                          "memory_estimate": estimate, "start_step": start_step}), flush=True)
+
+    def save(step):
+        tag = f"step{step}"
+        engine.save_checkpoint(str(ckpt_dir), tag=tag,
+                               client_state={"step": step, "data_position": step,
+                                             "config": cfg.to_dict()})
+        torch.distributed.barrier()
+        if rank == 0:
+            # Written only after every rank has saved: the marker makes the checkpoint "complete".
+            tmp = ckpt_dir / tag / (COMPLETE + ".tmp")
+            tmp.write_text(json.dumps({"step": step, "time": time.time()}))
+            tmp.rename(ckpt_dir / tag / COMPLETE)
+        torch.distributed.barrier()
+
+    losses, step_times, first_step_s = [], [], None
+    step = start_step
+    while step < cfg.steps:
+        t0 = time.time()
+        lr = lr_at(cfg, step)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for k in range(ga):
+            x, y = batches.micro_batch(step, k, engine.device)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+        loss_t = torch.as_tensor(loss_sum / ga, device=engine.device, dtype=torch.float32)
+        torch.distributed.all_reduce(loss_t)
+        mean_loss = loss_t.item() / world
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        step += 1
+        first_step_s = first_step_s or (time.time() - t_start)
+        losses.append(mean_loss)
+        step_times.append(dt)
+        if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps):
+            tps = tokens_per_step / dt
+            rec = {"step": step, "loss": round(mean_loss, 6), "lr": lr, "tokens_per_s": round(tps, 1),
+                   "samples_per_s": round(tps / cfg.seq_len, 2), "step_time_s": round(dt, 4),
+                   "tflops": round(tps * fpt / world / 1e12, 4)}
+            if peak:
+                rec["mfu"] = round(tps * fpt / world / peak, 4)
+            if device == "cuda":
+                rec["mem_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+                rec["mem_reserved_gib"] = round(torch.cuda.memory_reserved() / 2**30, 2)
+            else:
+                rec["rss_max_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+            print(f"step {step}/{cfg.steps} loss {mean_loss:.4f} lr {lr:.2e} "
+                  f"{tps:,.0f} tok/s {dt*1000:.0f} ms/step", flush=True)
+        if cfg.stop_at and step >= cfg.stop_at:
+            if rank == 0:
+                print(f"stop_at={cfg.stop_at}: ending without a final checkpoint", flush=True)
+            return 0
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+            save(step)
+    if cfg.save_final and step > start_step:
+        save(step)
+    if rank == 0:
+        steady = step_times[1:] or step_times
+        tps = tokens_per_step / (sum(steady) / len(steady)) if steady else 0.0
+        summary = {"steps": step, "start_step": start_step, "world": world, "precision": precision,
+                   "zero_stage": stage, "final_loss": losses[-1] if losses else None,
+                   "first_loss": losses[0] if losses else None, "tokens_per_s": round(tps, 1),
+                   "tflops": round(tps * fpt / world / 1e12, 2),
+                   "mfu": round(tps * fpt / world / peak, 4) if peak else None,
+                   "time_to_first_step_s": round(first_step_s or 0, 2),
+                   "memory_estimate": estimate}
+        if device == "cuda":
+            summary["peak_mem_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        else:
+            summary["rss_max_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        print("SUMMARY " + json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
