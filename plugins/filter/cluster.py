@@ -253,6 +253,44 @@ def version_diff(hostvars, names):
     return diffs
 
 
+def batch(micro, accum, total, world):
+    """train_batch = micro x accum x world: derive what is missing (0 = not given), check the rest."""
+    micro, accum, total, world = int(micro or 0), int(accum or 0), int(total or 0), int(world)
+    where = (f"(dsc_micro_batch={micro or 'unset'}, dsc_grad_accum={accum or 'unset'}, "
+             f"dsc_train_batch={total or 'unset'}, world size {world})")
+    if world <= 0:
+        return {"error": f"world size is {world}: no slots in the cluster model"}
+    if micro and accum and total:
+        if micro * accum * world != total:
+            return {"error": f"batch settings disagree: {micro} x {accum} x {world} = "
+                             f"{micro * accum * world}, not {total} {where}. Fix: give any two."}
+    elif micro and total:
+        accum, rem = divmod(total, micro * world)
+        if rem or not accum:
+            return {"error": f"dsc_train_batch {total} is not a multiple of micro-batch x world "
+                             f"size = {micro * world} {where}."}
+    elif accum and total:
+        micro, rem = divmod(total, accum * world)
+        if rem or not micro:
+            return {"error": f"dsc_train_batch {total} is not a multiple of grad-accum x world "
+                             f"size = {accum * world} {where}."}
+    elif micro:
+        accum = accum or 1
+    else:
+        return {"error": f"set dsc_micro_batch (and optionally one of dsc_grad_accum, "
+                         f"dsc_train_batch) {where}."}
+    return {"micro_batch": micro, "grad_accum": accum, "train_batch": micro * accum * world}
+
+
+def status_row(st):
+    st = st or {}
+    last = st.get("last") or {}
+    mem = last.get("mem_allocated_gib", last.get("rss_max_gib", "-"))
+    return (f"{st.get('host', '?')}: {st.get('state', '?')}, ranks alive {st.get('ranks_alive', 0)}, "
+            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, "
+            f"tokens/s {last.get('tokens_per_s', '-')}, memory {mem} GiB")
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -264,4 +302,6 @@ class FilterModule:
             "dsc_is_ip": _valid_ip,
             "dsc_report_row": report_row,
             "dsc_version_diff": version_diff,
+            "dsc_batch": batch,
+            "dsc_status_row": status_row,
         }
