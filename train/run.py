@@ -166,11 +166,16 @@ def main(argv=None) -> int:
                                            optimizer=optimizer, config=ds_cfg)
     start_step = 0
     if args.resume:
+        # Node-local disks each hold their own ranks' shards and markers: take the newest step
+        # that is complete on every node (the same logic holds on a shared filesystem).
         tag = latest_complete(ckpt_dir)
-        if tag is None:
+        newest = torch.tensor([int(tag.name[4:]) if tag else -1], dtype=torch.long, device=engine.device)
+        torch.distributed.all_reduce(newest, op=torch.distributed.ReduceOp.MIN)
+        if newest.item() < 0:
             if rank == 0:
                 print(f"resume: no complete checkpoint in {ckpt_dir}; starting from step 0", flush=True)
         else:
+            tag = ckpt_dir / f"step{newest.item()}"
             _, ckpt_state = engine.load_checkpoint(str(ckpt_dir), tag=tag.name)
             start_step = int(ckpt_state["step"])
             if rank == 0:
@@ -195,9 +200,10 @@ def main(argv=None) -> int:
                                client_state={"step": step, "data_position": step,
                                              "config": cfg.to_dict()})
         torch.distributed.barrier()
-        if rank == 0:
-            # Written only after every rank has saved: the marker makes the checkpoint "complete".
-            tmp = ckpt_dir / tag / (COMPLETE + ".tmp")
+        if local_rank == 0:
+            # Written on every node only after every rank has saved: the marker is what makes a
+            # checkpoint "complete"; a write interrupted before it is never resumed from.
+            tmp = ckpt_dir / tag / f"{COMPLETE}.{os.uname().nodename}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps({"step": step, "time": time.time()}))
             tmp.rename(ckpt_dir / tag / COMPLETE)
         torch.distributed.barrier()

@@ -94,6 +94,8 @@ def status(run_dir, run_id):
         state = "running"
     elif code == "0":
         state = "finished"
+    elif (run / "stopped").exists():
+        state = "stopped"
     elif code is not None:
         state = "failed"
     elif not (run / "launcher.log").exists():

@@ -1,0 +1,119 @@
+"""launch.yml and its companions on the container cluster: 2 nodes x 1 CPU rank, gloo, pdsh."""
+import json
+import time
+
+import pytest
+
+PRESETS = ["zero0", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"]
+TINY = {"vocab_size": 512, "seq_len": 64}
+
+
+def tc(**kw):
+    return ["-e", json.dumps({"dsc_train_config": dict(TINY, **kw)})]
+
+
+def run_procs(cluster, node, run_id):
+    r = cluster.exec(node, f"/opt/dscluster/bin/dsc-runctl procs {run_id}")
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(provisioned, cluster):
+    r = cluster.playbook("launch.yml", "-e", "preset=zero3", "-e", "follow=true", "-e", "run_id=t-zero3",
+                         *tc(steps=12, save_every=6, lr=0.003))
+    assert r.returncode == 0, r.output[-6000:]
+    return r
+
+
+def test_zero3_trains_across_two_nodes_to_completion(zero3_run, cluster):
+    log = cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-zero3/launcher.log").stdout
+    assert "pdsh" in log and "dist_world_size=2" in log
+    assert "--master_addr=" + cluster.info["hosts"][0]["ip"] in log
+    rows = [json.loads(x) for x in cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-zero3/metrics.jsonl").stdout.split("\n") if x]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for node in cluster.names:  # each node keeps its own ranks' shards, marked complete
+        cluster.exec(node, "test -f /opt/dscluster/runs/t-zero3/checkpoints/step12/COMPLETE")
+        cluster.exec(node, "ls /opt/dscluster/runs/t-zero3/checkpoints/step6/*optim_states.pt")
+
+
+def test_status_says_finished(zero3_run, cluster):
+    r = cluster.playbook("status.yml", "-e", "run_id=t-zero3")
+    assert r.returncode == 0, r.output[-3000:]
+    assert "run t-zero3: finished" in r.output
+    assert "step 12" in r.output
+
+
+def test_logs_are_fetched(zero3_run, cluster, tmp_path):
+    r = cluster.playbook("logs.yml", "-e", "run_id=t-zero3", "-e", f"logs_dest={tmp_path}")
+    assert r.returncode == 0, r.output[-3000:]
+    assert (tmp_path / "t-zero3" / cluster.master / "metrics.jsonl").exists()
+    assert (tmp_path / "t-zero3" / cluster.master / "launcher.log").exists()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_renders_a_config_deepspeed_accepts(provisioned, cluster, preset):
+    r = cluster.playbook("launch.yml", "-e", f"preset={preset}", "-e", "dry_run=true", "-e", f"run_id=dry-{preset}")
+    assert r.returncode == 0, r.output[-3000:]
+    assert "Validate ds_config.json with DeepSpeed's own config classes" in r.output
+    cfg = json.loads(cluster.exec(cluster.master, f"cat /opt/dscluster/runs/dry-{preset}/ds_config.json").stdout)
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
+    assert cfg["zero_optimization"]["stage"] == int(preset[4])
+    assert ("offload_optimizer" in cfg["zero_optimization"]) == preset.endswith("offload")
+    hostfile = cluster.exec(cluster.master, f"cat /opt/dscluster/runs/dry-{preset}/hostfile").stdout
+    assert [l for l in hostfile.splitlines() if not l.startswith("#")] == ["node1 slots=1", "node2 slots=1"]
+
+
+def test_unknown_preset_fails_listing_the_valid_ones(provisioned, cluster):
+    r = cluster.playbook("launch.yml", "-e", "preset=zero4", "-e", "dry_run=true")
+    assert r.returncode != 0
+    assert "Unknown preset 'zero4'" in r.output and "zero3-offload" in r.output
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"dsc_micro_batch": 2, "dsc_grad_accum": 2, "dsc_train_batch": 10}, "batch settings disagree"),
+    ({"dsc_micro_batch": 3, "dsc_train_batch": 8}, "not a multiple"),
+])
+def test_inconsistent_batch_fails_before_launch(provisioned, cluster, extra, needle):
+    r = cluster.playbook("launch.yml", "-e", json.dumps(extra), "-e", "dry_run=true")
+    assert r.returncode != 0 and needle in r.output, r.output[-2000:]
+
+
+def test_batch_arithmetic_derives_the_missing_value(provisioned, cluster):
+    r = cluster.playbook("launch.yml", "-e", json.dumps({"dsc_micro_batch": 2, "dsc_train_batch": 16}),
+                         "-e", "dry_run=true", "-e", "run_id=dry-batch")
+    assert r.returncode == 0, r.output[-2000:]
+    cfg = json.loads(cluster.exec(cluster.master, "cat /opt/dscluster/runs/dry-batch/ds_config.json").stdout)
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_batch_size"] == 16
+
+
+def test_stop_ends_every_rank_and_resume_continues(provisioned, cluster):
+    r = cluster.playbook("launch.yml", "-e", "preset=zero2", "-e", "run_id=t-long",
+                         *tc(steps=100000, save_every=10))
+    assert r.returncode == 0, r.output[-4000:]
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        done = cluster.exec(cluster.master, "test -f /opt/dscluster/runs/t-long/checkpoints/step10/COMPLETE", check=False)
+        if done.returncode == 0:
+            break
+        time.sleep(2)
+    assert all(run_procs(cluster, n, "t-long") for n in cluster.names), "ranks should run on every node"
+    second = cluster.playbook("launch.yml", "-e", "preset=zero2", "-e", "dry_run=true")
+    assert second.returncode != 0 and "Run t-long is active" in second.output
+    stop = cluster.playbook("stop.yml", "-e", "run_id=t-long")
+    assert stop.returncode == 0, stop.output[-3000:]
+    for n in cluster.names:
+        assert run_procs(cluster, n, "t-long") == []
+        ps = cluster.exec(n, "ps -eo args | grep -c '[t]rain.run' || true").stdout.strip()
+        assert ps == "0", f"{n}: {ps} training processes left"
+    status = cluster.playbook("status.yml", "-e", "run_id=t-long")
+    assert "run t-long: stopped" in status.output
+    saved = int(cluster.exec(cluster.master, "ls /opt/dscluster/runs/t-long/checkpoints | grep -o '^step[0-9]*' "
+                             "| sed s/step// | sort -n | tail -1").stdout)
+    res = cluster.playbook("resume.yml", "-e", "run_id=t-long", "-e", "follow=true",
+                           "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={saved + 4}"]}))
+    assert res.returncode == 0, res.output[-4000:]
+    summary = json.loads(cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/summary.json").stdout)
+    assert summary["start_step"] >= 10 and summary["steps"] == summary["start_step"] + 4 or summary["steps"] == saved + 4
+    log = cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/launcher.log").stdout
+    assert "resume: loaded" in log

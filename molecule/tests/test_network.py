@@ -1,0 +1,77 @@
+"""Name resolution, SSH trust, the firewall's scope and the ranks' environment."""
+import importlib.util
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("clusterfilters", ROOT / "plugins/filter/cluster.py")
+filters = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(filters)
+
+
+def test_pdsh_from_master_reaches_every_node_without_prompt(provisioned, cluster):
+    nodes = ",".join(cluster.names)
+    r = cluster.exec(cluster.master, f"pdsh -R ssh -w {nodes} hostname < /dev/null", user="dstrain")
+    answered = sorted(line.split(": ")[1] for line in r.stdout.splitlines())
+    assert answered == sorted(cluster.names), r.stdout + r.stderr
+
+
+def test_every_node_resolves_every_name_to_its_training_address(provisioned, cluster):
+    for node in cluster.names:
+        for h in cluster.info["hosts"]:
+            r = cluster.exec(node, f"getent hosts {h['name']}")
+            assert r.stdout.split()[0] == h["ip"]
+
+
+def test_master_port_reachable_from_cluster_not_from_outsider(provisioned, cluster):
+    master_ip = cluster.info["hosts"][0]["ip"]
+    listener = subprocess.Popen(["podman", "exec", "dsc-" + cluster.master, "python3", "-c",
+                                 "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+                                 "s.bind(('0.0.0.0', 29500)); s.listen(8); time.sleep(30)"])
+    try:
+        import time
+        time.sleep(1.5)
+        ok = cluster.exec(cluster.names[1], f"nc -z -w 3 {master_ip} 29500", check=False)
+        assert ok.returncode == 0, ok.stderr
+        out = subprocess.run(["podman", "exec", cluster.info["outsider"]["name"], "nc", "-z", "-w", "3",
+                              master_ip, "29500"], capture_output=True, text=True)
+        assert out.returncode != 0, "the outsider reached the master port"
+    finally:
+        listener.kill()
+
+
+def test_ssh_from_control_node_still_works_after_firewall(provisioned, cluster):
+    import os
+    import sys
+    p = subprocess.run([str(Path(sys.executable).parent / "ansible"), "-i", str(cluster.inventory),
+                        "cluster", "-m", "ansible.builtin.ping"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg")))
+    assert p.returncode == 0 and p.stdout.count("SUCCESS") == len(cluster.names), p.stdout + p.stderr
+
+
+def test_firewall_rules_in_place(provisioned, cluster):
+    for node in cluster.names:
+        st = cluster.exec(node, "ufw status").stdout
+        assert "Status: active" in st
+        assert "29500:29510/tcp" in st and "DENY" in st
+        for h in cluster.info["hosts"]:
+            assert h["ip"] in st
+
+
+def test_rank_env_parses_and_names_the_interface_holding_the_address(provisioned, cluster):
+    for h in cluster.info["hosts"]:
+        text = cluster.exec(h["name"], "cat /opt/dscluster/deepspeed_env").stdout
+        env = filters.parse_ds_env(text)
+        assert env["DS_ACCELERATOR"] == "cpu" and env["NCCL_IB_DISABLE"] == "1"
+        assert env["DEEPSPEED_TIMEOUT"] == "30" and "NCCL_TIMEOUT" not in env
+        iface = env["GLOO_SOCKET_IFNAME"]
+        assert env["NCCL_SOCKET_IFNAME"] == iface
+        addr = cluster.exec(h["name"], f"ip -4 -o addr show dev {iface}").stdout
+        assert f"inet {h['ip']}/" in addr
+
+
+def test_no_host_key_checking_is_disabled_anywhere():
+    bad = subprocess.run(["git", "grep", "-n", "-I", "-E",
+                          "StrictHostKeyChecking[= ]+no|UserKnownHostsFile[= ]*/dev/null|host_key_checking *= *(false|False)",
+                          "--", ".", ":!molecule/tests/test_network.py"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.stdout == "", bad.stdout

@@ -1,0 +1,46 @@
+"""provision.yml on the container cluster: converge, idempotence, and what each node ends with."""
+import json
+
+import pytest
+
+
+def test_second_run_changes_nothing(provisioned, cluster):
+    recap = provisioned["second"].recap
+    assert set(recap) == set(cluster.names)
+    assert all(r["changed"] == 0 and r["failed"] == 0 for r in recap.values()), recap
+
+
+def test_version_table_has_a_row_per_node(provisioned, cluster):
+    out = provisioned["second"].output
+    for name in cluster.names:
+        assert f'"{name} | 3.11' in out and "| 2.13.0+cpu | cpu | 0.19.8 |" in out
+
+
+def test_env_is_identical_and_owned_by_the_training_user(provisioned, cluster):
+    seen = set()
+    for name in cluster.names:
+        host = cluster.host(name)
+        assert host.user("dstrain").exists and host.user("dstrain").uid != 0
+        env = host.file("/opt/dscluster/env/bin/python")
+        assert env.exists and host.file("/opt/dscluster/env").user == "dstrain"
+        out = host.run("sudo -u dstrain /opt/dscluster/env/bin/python -c "
+                       "'import torch, deepspeed, json; print(json.dumps([torch.__version__, deepspeed.__version__]))'")
+        assert out.rc == 0, out.stderr
+        seen.add(out.stdout.strip())
+    assert seen == {json.dumps(["2.13.0+cpu", "0.19.8"])}
+
+
+def test_ds_report_kept_and_jit_cache_warm(provisioned, cluster):
+    for name in cluster.names:
+        host = cluster.host(name)
+        report = host.file("/opt/dscluster/ds_report.txt")
+        assert report.exists and "DeepSpeed general environment info" in report.content_string
+        so = host.run("find /opt/dscluster/cache/torch_extensions -name '*.so'").stdout.split()
+        assert any("shm_comm" in p for p in so), so
+        assert any("fused_adam" in p for p in so), so
+
+
+def test_base_packages_installed(provisioned, cluster):
+    host = cluster.host(cluster.master)
+    for pkg in ("pdsh", "tmux", "iperf3", "g++", "ninja-build", "python3-dev"):
+        assert host.package(pkg).is_installed, pkg
