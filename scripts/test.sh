@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what it needs (podman, runc, debootstrap
+# from apt; the control venv; the node image; the offline wheelhouse; a CPU torch+DeepSpeed venv
+# for train/), then runs pytest over molecule/tests against a container cluster it starts itself.
+#   bash scripts/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CONTAINERS_CONF=$PWD/scripts/containers.conf
+need=()
+for tool in podman runc debootstrap ssh-keygen; do command -v "$tool" >/dev/null || need+=("$tool"); done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "== installing podman runc debootstrap openssh-client"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client >/dev/null
+fi
+echo "== control venv";   bash scripts/setup-control.sh
+echo "== wheelhouse";     bash scripts/wheelhouse.sh
+echo "== node image";     bash scripts/build-image.sh
+if [ ! -x .cache/train-venv/bin/deepspeed ]; then
+  echo "== train venv (offline, from the wheelhouse)"
+  python3 -m venv .cache/train-venv
+  .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed
+fi
+echo "== removing what an earlier, killed run left behind"
+.venv/bin/python molecule/cluster.py down
+echo "== tests"
+set +e
+.venv/bin/pytest molecule/tests -v -rs --durations=15 "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: that is a failure"; exit 1; fi
+exit "$rc"
