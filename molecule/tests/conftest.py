@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "molecule"))
 import cluster as testcluster  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
+# testinfra's ansible backend calls ansible-inventory from PATH.
+os.environ["PATH"] = f"{VENV_BIN}:{os.environ['PATH']}"
 
 
 def recap(output):
