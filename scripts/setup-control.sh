@@ -13,5 +13,5 @@ fi
 "$py" -m venv "$venv"
 "$venv/bin/pip" install -q --disable-pip-version-check -r "$here/requirements/control.txt" 2>&1 \
   | grep -v 'is ignored' || true
-"$venv/bin/ansible-playbook" --version | head -1
+version=$("$venv/bin/ansible-playbook" --version); echo "${version%%$'\n'*}"
 echo "$want" > "$stamp"

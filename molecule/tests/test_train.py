@@ -112,3 +112,18 @@ def test_bad_config_gives_a_clear_error(tmp_path, sets, needle):
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert needle in r.stderr, r.stderr
+
+
+def test_cpu_offload_trains_on_a_pretokenized_array(tmp_path):
+    """ZeRO-2 with the optimizer offloaded to CPU (DeepSpeedCPUAdam), data from a user's .npy."""
+    r = subprocess.run([str(VENV / "bin" / "python"), "-c",
+                        f"import numpy as np; np.save('{tmp_path}/tok.npy', (np.arange(20000) * 7 % 500).astype(np.int32))"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    offload = ds(2, optimizer={"type": "AdamW", "params": {"lr": 0.001}})
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    launch(run, offload, "data=array", f"data_path={tmp_path}/tok.npy", "vocab_size=512", "seq_len=64",
+           "steps=6", "save_final=false")
+    rows = metrics(run)
+    assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
