@@ -107,14 +107,12 @@ def peak_flops(device: str):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    run_dir = Path(os.environ.get("DSC_RUN_DIR") or os.getcwd())
-    ckpt_state = None
     try:
         cfg = load_config(args.config or None, args.set)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else run_dir
+    run_dir = Path(cfg.run_dir or os.environ.get("DSC_RUN_DIR") or os.getcwd())
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
     ds_path = args.ds_config or str(run_dir / "ds_config.json")
     try:

@@ -9,7 +9,6 @@ Every role and template reads the model through these filters:
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import posixpath
 import re
@@ -89,6 +88,14 @@ def cluster_model(hostvars, groups):
     }
 
 
+def _group_by(names, value_of):
+    """{str(value): [names having it]}, in inventory order: more than one key means a mismatch."""
+    groups = {}
+    for name in names:
+        groups.setdefault(str(value_of(name)), []).append(name)
+    return groups
+
+
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool) or (
         isinstance(value, str) and value.strip().lstrip("-").isdigit())
@@ -127,20 +134,14 @@ def cluster_errors(hostvars, groups, check_wheelhouse=os.path.isdir):
     for var in ("dsc_env_manager", "dsc_install_root", "dsc_torch_version",
                 "dsc_deepspeed_version", "dsc_torch_variant", "dsc_train_user",
                 "dsc_master_port", "dsc_run_root"):
-        values = {}
-        for name in names:
-            values.setdefault(str(_node(hostvars, name).get(var)), []).append(name)
+        values = _group_by(names, lambda name: _node(hostvars, name).get(var))
         if len(values) > 1:
             detail = "; ".join(f"{v!r} on {', '.join(h)}" for v, h in values.items())
             errors.append(f"{var} differs between nodes ({detail}). Fix: set it once for the "
                           f"group '{CLUSTER_GROUP}' (group_vars), not per host: the launcher "
                           f"runs the master's paths on every node.")
-    # De-duplicate cluster-wide messages (same text from every host).
-    out = []
-    for e in errors:
-        if e not in out:
-            out.append(e)
-    return out
+    # Cluster-wide messages come once per host with the same text: keep one, in order.
+    return list(dict.fromkeys(errors))
 
 
 def _cluster_wide_errors(name, hv, check_wheelhouse):
@@ -223,17 +224,6 @@ def parse_ds_env(text):
     return env
 
 
-def _valid_ip(addr):
-    try:
-        ipaddress.ip_address(addr)
-        return True
-    except ValueError:
-        return False
-
-
-REPORT_KEYS = ("python", "torch", "cuda", "deepspeed", "nccl", "gpus", "driver", "prefix")
-
-
 def report_row(pair):
     versions, name = pair
     v = versions or {}
@@ -245,9 +235,7 @@ def version_diff(hostvars, names):
     """Messages for each version that is not the same on every node, naming the nodes."""
     diffs = []
     for key in ("python", "torch", "cuda", "deepspeed", "nccl", "prefix"):
-        values = {}
-        for name in names:
-            values.setdefault(str((hostvars[name].get("dsc_versions") or {}).get(key)), []).append(name)
+        values = _group_by(names, lambda name: (hostvars[name].get("dsc_versions") or {}).get(key))
         if len(values) > 1:
             diffs.append(f"{key}: " + ", ".join(f"{v} on {'/'.join(h)}" for v, h in values.items()))
     return diffs
@@ -299,7 +287,6 @@ class FilterModule:
             "dsc_parse_hostfile": parse_hostfile,
             "dsc_parse_ds_env": parse_ds_env,
             "dsc_torch_index": lambda variant: TORCH_INDEXES.get(variant, ""),
-            "dsc_is_ip": _valid_ip,
             "dsc_report_row": report_row,
             "dsc_version_diff": version_diff,
             "dsc_batch": batch,

@@ -137,8 +137,7 @@ def active(run_root):
 def start(run_dir, run_id, cmd):
     """Double-fork into a new session so the launcher outlives the Ansible connection."""
     run = Path(run_dir)
-    for f in ("exit_code",):
-        (run / f).unlink(missing_ok=True)
+    (run / "exit_code").unlink(missing_ok=True)
     if os.fork():
         for _ in range(50):  # wait until the pid file exists
             if (run / "launcher.pid").exists():
