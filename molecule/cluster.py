@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,6 +29,8 @@ PREFIX = "dsc-"
 OUTSIDER = PREFIX + "outsider"
 NONDEFAULT_SSH_PORT = 2222
 os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "scripts" / "containers.conf"))
+# The control venv's tools (ansible-playbook next to the python running this).
+VENV_BIN = Path(sys.executable).parent
 
 
 def sh(*cmd, check=True, capture=True, input=None):
@@ -148,6 +151,51 @@ dsc_env_manager: venv
 dsc_torch_variant: cpu
 dsc_wheelhouse: {wheelhouse}
 """)
+
+
+def recap(output):
+    """{host: {ok, changed, failed, ...}} from a PLAY RECAP."""
+    out = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+(.*)$", output.split("PLAY RECAP")[-1], re.M):
+        out[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return out
+
+
+class Cluster:
+    """The running test cluster, as tests and benchmarks drive it."""
+
+    def __init__(self, info):
+        self.info = info
+        self.inventory = STATE / "inventory"
+        self.names = [h["name"] for h in info["hosts"]]
+        self.master = self.names[0]
+
+    def playbook(self, name, *args, timeout=1800, env=None):
+        """ansible-playbook with the project's ansible.cfg against the cluster's inventory; the
+        result carries .recap ({host: counts}), .output and .seconds."""
+        env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0",
+                   PATH=f"{VENV_BIN}:{os.environ['PATH']}", **(env or {}))
+        t0 = time.time()
+        r = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(self.inventory), name, *args],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        r.seconds = time.time() - t0
+        r.recap = recap(r.stdout)
+        r.output = r.stdout + r.stderr
+        return r
+
+    def exec(self, node, cmd, user=None, check=True, timeout=120):
+        """A command inside a node's container (test inspection, not how the toolkit reaches nodes)."""
+        argv = ["podman", "exec"] + (["--user", user] if user else []) + [
+            PREFIX + node, "bash", "-lc", cmd]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, CONTAINERS_CONF=os.environ["CONTAINERS_CONF"]))
+        if check:
+            assert r.returncode == 0, f"{node}: {cmd}: {r.stdout}{r.stderr}"
+        return r
+
+    def host(self, node):
+        import testinfra
+        return testinfra.get_host(f"ansible://{node}?ansible_inventory={self.inventory}")
 
 
 def main(argv=None):

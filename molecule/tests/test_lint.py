@@ -1,0 +1,12 @@
+"""The playbooks and roles meet ansible-lint's production profile (.ansible-lint says what is skipped and why)."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ansible_lint_production_profile():
+    r = subprocess.run([str(Path(sys.executable).parent / "ansible-lint"), "--nocolor"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
