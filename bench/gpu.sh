@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU benchmark on a machine with an existing CUDA torch and no network (issue: H200 numbers):
+# provision.yml with inventory/gpu-local (the existing interpreter + an offline wheelhouse),
+# launch.yml for each preset, then the hand-run reference (DeepSpeed ZeRO-2/3 and plain PyTorch)
+# in the same session. Everything lands in $OUT (default ./gpu-results).
+#
+#   bench/gpu.sh WHEELS_DIR COLLECTIONS_TGZ REFERENCE_PY "PRESETS" "REFS"
+#     WHEELS_DIR       wheels for the node (DeepSpeed + missing deps) and for Ansible (ansible-core + deps)
+#     COLLECTIONS_TGZ  ansible_collections/{ansible/posix,community/crypto,community/general} as .tgz
+#     REFERENCE_PY     the hand-run reference script (gpt_reference.py)
+#     PRESETS          e.g. "zero2 zero3"; REFS e.g. "ds2 ds3 torch"
+set -uo pipefail
+wheels=$(realpath "$1"); coll=$(realpath "$2"); ref=$(realpath "$3"); presets=${4:-zero2}; refs=${5:-}
+out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
+py=/opt/torch/.venv/bin/python3
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# Control-node tools in their own venv that sees the image's packages (jinja2, yaml, packaging).
+if [ ! -x /tmp/ansvenv/bin/ansible-playbook ]; then
+  $py -m venv --system-site-packages /tmp/ansvenv
+  /tmp/ansvenv/bin/pip install -q --no-index --find-links "$wheels" ansible-core==2.19.14 || exit 1
+  mkdir -p /tmp/ansvenv/collections && tar -C /tmp/ansvenv/collections -xzf "$coll"
+fi
+export ANSIBLE_COLLECTIONS_PATH=/tmp/ansvenv/collections DSC_WHEELHOUSE=$wheels
+ap() { /tmp/ansvenv/bin/ansible-playbook -i inventory/gpu-local "$@"; }
+echo "image TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} (the toolkit renders its own from nvidia-smi)"
+if [ ! -f "$out/provision.done" ]; then
+  t0=$(date +%s.%N)
+  ap provision.yml > "$out/provision.log" 2>&1 || { tail -60 "$out/provision.log"; exit 1; }
+  echo "provision.yml: $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee "$out/provision.done"
+  grep -A4 '"node | python' "$out/provision.log"
+fi
+for p in $presets; do
+  t0=$(date +%s.%N)
+  ap launch.yml -e preset=$p -e follow=true -e run_id=gpu-$p > "$out/launch-$p.log" 2>&1
+  rc=$?
+  d=/opt/dscluster/runs/gpu-$p
+  cp $d/metrics.jsonl "$out/metrics-$p.jsonl" 2>/dev/null; cp $d/summary.json "$out/summary-$p.json" 2>/dev/null
+  grep -E '"event": "start"|TORCH_CUDA_ARCH_LIST' $d/launcher.log | head -2 > "$out/start-$p.txt"
+  echo "{\"preset\": \"$p\", \"rc\": $rc, \"playbook_start\": $t0}" > "$out/run-$p.json"
+  echo "launch $p rc=$rc"; tail -2 "$out/metrics-$p.jsonl" 2>/dev/null
+  [ $rc -eq 0 ] || grep -E "Error|error" $d/launcher.log | head -5
+done
+export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/opt/dscluster/cache/torch_extensions
+cd "$(dirname "$ref")"
+for r in $refs; do
+  case $r in
+    ds2) /opt/torch/.venv/bin/deepspeed --num_gpus 1 --master_port 29600 "$ref" --mode ds --stage 2 ;;
+    ds3) /opt/torch/.venv/bin/deepspeed --num_gpus 1 --master_port 29601 "$ref" --mode ds --stage 3 ;;
+    torch) $py "$ref" --mode torch ;;
+  esac 2>&1 | grep RESULT | tee -a "$out/reference.txt"
+done
