@@ -14,24 +14,25 @@ wheels=$(realpath "$1"); coll=$(realpath "$2"); ref=$(realpath "$3"); presets=${
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
 py=/opt/torch/.venv/bin/python3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# Control-node tools in their own venv that sees the image's packages (jinja2, yaml, packaging).
-if [ ! -x /tmp/ansvenv/bin/ansible-playbook ]; then
-  $py -m venv --system-site-packages /tmp/ansvenv
-  /tmp/ansvenv/bin/pip install -q --no-index --find-links "$wheels" ansible-core==2.19.14 || exit 1
-  mkdir -p /tmp/ansvenv/collections && tar -C /tmp/ansvenv/collections -xzf "$coll"
+# Control-node tools beside the image's python (which has jinja2, yaml, packaging), in a folder of
+# their own named only for ansible-playbook's own process.
+if [ ! -f /tmp/anssite/bin/ansible-playbook ]; then
+  $py -m pip install -q --no-index --no-deps --target /tmp/anssite "$wheels"/ansible_core-*.whl \
+    "$wheels"/resolvelib-*.whl "$wheels"/cryptography-*.whl "$wheels"/cffi-*.whl "$wheels"/pycparser-*.whl || exit 1
+  mkdir -p /tmp/anssite/collections && tar -C /tmp/anssite/collections -xzf "$coll"
 fi
-export ANSIBLE_COLLECTIONS_PATH=/tmp/ansvenv/collections DSC_WHEELHOUSE=$wheels
-ap() { /tmp/ansvenv/bin/ansible-playbook -i inventory/gpu-local "$@"; }
+export ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels
+ap() { PYTHONPATH=/tmp/anssite $py /tmp/anssite/bin/ansible-playbook -i inventory/gpu-local "$@"; }
 echo "image TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} (the toolkit renders its own from nvidia-smi)"
-if [ ! -f "$out/provision.done" ]; then
+if [ ! -f /tmp/dsc-provision.done ]; then
   t0=$(date +%s.%N)
   ap provision.yml > "$out/provision.log" 2>&1 || { tail -60 "$out/provision.log"; exit 1; }
-  echo "provision.yml: $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee "$out/provision.done"
+  echo "provision.yml: $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee "$out/provision.txt" /tmp/dsc-provision.done
   grep -A4 '"node | python' "$out/provision.log"
 fi
 for p in $presets; do
   t0=$(date +%s.%N)
-  ap launch.yml -e preset=$p -e follow=true -e run_id=gpu-$p > "$out/launch-$p.log" 2>&1
+  ap launch.yml -e preset=$p -e follow=true -e run_id=gpu-$p ${LAUNCH_EXTRA:-} > "$out/launch-$p.log" 2>&1
   rc=$?
   d=/opt/dscluster/runs/gpu-$p
   cp $d/metrics.jsonl "$out/metrics-$p.jsonl" 2>/dev/null; cp $d/summary.json "$out/summary-$p.json" 2>/dev/null
@@ -39,6 +40,7 @@ for p in $presets; do
   echo "{\"preset\": \"$p\", \"rc\": $rc, \"playbook_start\": $t0}" > "$out/run-$p.json"
   echo "launch $p rc=$rc"; tail -2 "$out/metrics-$p.jsonl" 2>/dev/null
   [ $rc -eq 0 ] || grep -E "Error|error" $d/launcher.log | head -5
+  cp $d/launcher.log "$out/launcher-$p.log" 2>/dev/null
 done
 export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/opt/dscluster/cache/torch_extensions
 cd "$(dirname "$ref")"
@@ -49,3 +51,5 @@ for r in $refs; do
     torch) $py "$ref" --mode torch ;;
   esac 2>&1 | grep RESULT | tee -a "$out/reference.txt"
 done
+# One archive: the device link returns only a few files.
+tar -C "$out" -czf /tmp/gpu-results.tgz --exclude gpu-results.tgz . && mv /tmp/gpu-results.tgz "$out/"

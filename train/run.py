@@ -105,6 +105,13 @@ def peak_flops(device: str):
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
+def shutdown():
+    """Leave together and tear the process group down: a rank that exits with collectives'
+    threads still alive dies with "terminate called without an active exception"."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -157,6 +164,7 @@ def main(argv=None) -> int:
         if cfg.estimate_memory else {}
 
     n_params = sum(p.numel() for p in model.parameters())
+    fpt = flops_per_token(model, cfg)  # before ZeRO-3 partitions the parameters
     optimizer = None
     if "optimizer" not in ds_cfg:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -181,7 +189,6 @@ def main(argv=None) -> int:
 
     tokens = load_tokens(cfg)
     batches = Batches(cfg, tokens, mb, ga, world, rank)
-    fpt = flops_per_token(model, cfg)
     peak = peak_flops(device)
     tokens_per_step = mb * ga * world * cfg.seq_len
     metrics = (run_dir / "metrics.jsonl").open("a") if rank == 0 else None
@@ -249,6 +256,7 @@ def main(argv=None) -> int:
         if cfg.stop_at and step >= cfg.stop_at:
             if rank == 0:
                 print(f"stop_at={cfg.stop_at}: ending without a final checkpoint", flush=True)
+            shutdown()
             return 0
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             save(step)
@@ -270,6 +278,7 @@ def main(argv=None) -> int:
             summary["rss_max_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print("SUMMARY " + json.dumps(summary), flush=True)
+    shutdown()
     return 0
 
 
