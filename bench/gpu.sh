@@ -32,9 +32,10 @@ if [ ! -f /tmp/dsc-provision.done ]; then
 fi
 for p in $presets; do
   t0=$(date +%s.%N)
-  ap launch.yml -e preset=$p -e follow=true -e run_id=gpu-$p ${LAUNCH_EXTRA:-} > "$out/launch-$p.log" 2>&1
+  id=gpu-$p-$(date +%s)
+  ap launch.yml -e preset=$p -e follow=true -e run_id=$id ${LAUNCH_EXTRA:-} > "$out/launch-$p.log" 2>&1
   rc=$?
-  d=/opt/dscluster/runs/gpu-$p
+  d=/opt/dscluster/runs/$id
   cp $d/metrics.jsonl "$out/metrics-$p.jsonl" 2>/dev/null; cp $d/summary.json "$out/summary-$p.json" 2>/dev/null
   grep -E '"event": "start"|TORCH_CUDA_ARCH_LIST' $d/launcher.log | head -2 > "$out/start-$p.txt"
   echo "{\"preset\": \"$p\", \"rc\": $rc, \"playbook_start\": $t0}" > "$out/run-$p.json"

@@ -46,6 +46,12 @@ def test_status_says_finished(zero3_run, cluster):
     assert "step 12" in r.output
 
 
+def test_a_used_run_directory_is_not_reused(zero3_run, cluster):
+    r = cluster.playbook("launch.yml", "-e", "preset=zero3", "-e", "run_id=t-zero3")
+    assert r.returncode != 0
+    assert "already holds run t-zero3" in r.output and "resume.yml -e run_id=t-zero3" in r.output
+
+
 def test_logs_are_fetched(zero3_run, cluster, tmp_path):
     r = cluster.playbook("logs.yml", "-e", "run_id=t-zero3", "-e", f"logs_dest={tmp_path}")
     assert r.returncode == 0, r.output[-3000:]
