@@ -117,6 +117,7 @@ def status(run_dir, run_id):
 def free_port(first, last):
     for port in range(first, last + 1):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds
         try:
             s.bind(("0.0.0.0", port))
             return port

@@ -1,0 +1,271 @@
+"""Preflight verdicts: turn what each node reported into rows of PASS / WARN / FAIL with a fix.
+
+    {{ hostvars | dsc_preflight_rows(dsc_cluster, settings) }}  -> [{check, node, status, detail, fix}]
+    {{ rows | dsc_preflight_table }}                             -> lines of a readable table
+
+Each node's facts come from the preflight role: __preflight_reach, __preflight_probe (dsc-preflight
+probe), __preflight_tcp (a connection to the master port); the master adds __preflight_mesh,
+__preflight_iperf and __preflight_allreduce. One row per check and node, in the order of
+DEEPSPEED_FACTS' failure modes; a check that could not run says why.
+"""
+from __future__ import annotations
+
+# The oldest Linux driver each CUDA major release runs on (minor-version compatibility, from
+# NVIDIA's CUDA toolkit release notes, table 2).
+MIN_DRIVER = {"11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
+VERSION_KEYS = ("python", "torch", "cuda", "deepspeed", "nccl")
+PROVISION_FIX = "re-run provision.yml for the whole cluster (the same pins reach every node)"
+
+
+def _ver(text):
+    return tuple(int(x) for x in str(text).split(".") if x.isdigit())
+
+
+def _row(check, node, status, detail, fix=""):
+    return {"check": check, "node": node, "status": status, "detail": detail,
+            "fix": fix if status != "PASS" else ""}
+
+
+def _iface_matches(name, spec):
+    if spec.startswith("="):
+        return name == spec[1:]
+    return name.startswith(spec)
+
+
+def interface_verdict(node, addr, interfaces, configured):
+    """(status, detail, fix) for the interface NCCL and gloo will use on a node."""
+    fix_auto = ("unset NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME in cluster_network_env (the toolkit "
+                "then names the interface holding dsc_addr), or name one that exists here")
+    specs = [s for s in str(configured or "").split(",") if s and not s.startswith("^")]
+    if specs:
+        chosen = {n: a for n, a in interfaces.items() if any(_iface_matches(n, s) for s in specs)}
+        if not chosen:
+            return ("FAIL", f"interface {configured} (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does "
+                            f"not exist on {node}; it has {', '.join(sorted(interfaces))}", fix_auto)
+        addrs = [x for a in chosen.values() if a for x in a]
+        if all(a is None for a in chosen.values()) or addr in addrs:
+            return ("PASS", f"{', '.join(sorted(chosen))} holds {addr}", "")
+        return ("FAIL", f"interface {', '.join(sorted(chosen))} on {node} holds {', '.join(addrs) or 'no IPv4'}, "
+                        f"not the training address {addr}", fix_auto)
+    holding = sorted(n for n, a in interfaces.items() if a and addr in a)
+    if holding:
+        return ("PASS", f"{holding[0]} holds {addr}", "")
+    if addr.startswith("127."):
+        return ("PASS", f"loopback address {addr} (one-node cluster)", "")
+    return ("FAIL", f"no interface on {node} holds its training address {addr}",
+            "set dsc_addr to an address of this node, or add that address to an interface")
+
+
+def driver_verdict(cuda, driver):
+    if not cuda or cuda == "cpu":
+        return ("PASS", "CPU build of torch: no driver needed", "")
+    if not driver:
+        return ("FAIL", f"torch is built for CUDA {cuda} but nvidia-smi reports no driver",
+                "install the NVIDIA driver, or use the cpu torch variant on CPU-only nodes")
+    need = MIN_DRIVER.get(str(cuda).split(".")[0])
+    if need and _ver(driver) < _ver(need):
+        return ("FAIL", f"driver {driver} is older than {need}, the minimum for CUDA {cuda}",
+                f"upgrade the driver to {need} or newer, or pick an older dsc_torch_variant")
+    return ("PASS", f"driver {driver} runs CUDA {cuda} (needs {need or '?'})", "")
+
+
+def preflight_rows(hostvars, cluster, settings):
+    rows = [_row("inventory", "all", "PASS", "cluster model valid: "
+                 f"{cluster['num_nodes']} nodes, world size {cluster['world_size']}, "
+                 f"master {cluster['master']} ({cluster['master_addr']})")]
+    names = cluster["node_names"]
+    master = cluster["master"]
+    hv = {n: hostvars[n] for n in names}
+    reach = {n: bool(hv[n].get("__preflight_reach")) for n in names}
+    probe = {n: hv[n].get("__preflight_probe") or {} for n in names}
+    for n in names:
+        if reach[n]:
+            rows.append(_row("reachable", n, "PASS", "Ansible reached it"))
+        else:
+            rows.append(_row("reachable", n, "FAIL", f"Ansible cannot reach {n}: "
+                             f"{hv[n].get('__preflight_unreachable_msg', 'unreachable')}",
+                             "start sshd on the node, or fix ansible_host/ansible_port/the key"))
+    ok = [n for n in names if reach[n] and probe[n]]
+    mesh = hv[master].get("__preflight_mesh") or {}
+    for n in names if len(names) > 1 else []:
+        m = mesh.get(n)
+        if m is None:
+            why = hv[master].get("__preflight_mesh_error") or "the master did not report"
+            rows.append(_row("ssh from master", n, "FAIL", f"not checked: {why}",
+                             f"make {master} reachable and re-run provision.yml (it creates the "
+                             f"training user {settings['train_user']} and its ssh setup)"))
+        elif m["ok"]:
+            rows.append(_row("ssh from master", n, "PASS",
+                             f"{settings['train_user']}@{master} -> {n} ({m['hostname']}), no prompt"))
+        else:
+            rows.append(_row("ssh from master", n, "FAIL",
+                             f"{settings['train_user']}@{master} cannot ssh to {n}: {m['error']}",
+                             "start sshd there, then re-run provision.yml (keys, known_hosts, "
+                             "~/.ssh/config for the training user)"))
+    want = {node["name"]: node["addr"] for node in cluster["nodes"]}
+    for n in ok:
+        res = probe[n].get("resolve", {})
+        bad = [f"{name} -> {', '.join(res.get(name, ['?']))} (want {addr})"
+               for name, addr in want.items() if addr not in res.get(name, [])]
+        rows.append(_row("names", n, "FAIL" if bad else "PASS",
+                         "; ".join(bad) if bad else "every node name resolves to its training address",
+                         "let provision.yml manage /etc/hosts (cluster_network_manage_hosts) or fix DNS"))
+    # Versions and paths: each node against the master (the launcher runs the master's paths).
+    ref = probe.get(master, {}).get("versions") or {}
+    for n in ok:
+        v = probe[n].get("versions") or {}
+        if "error" in v or not probe[n].get("env_prefix_exists"):
+            detail = v.get("error") or f"env prefix {settings['env_prefix']} missing"
+            rows.append(_row("env and versions", n, "FAIL", detail,
+                             f"{PROVISION_FIX}; the env must be at {settings['env_prefix']} on every node"))
+            continue
+        diff = [f"{k} {v.get(k)} here, {ref.get(k)} on {master}" for k in VERSION_KEYS
+                if ref and "error" not in ref and v.get(k) != ref.get(k)]
+        detail = ("; ".join(diff) if diff else
+                  "python {python}, torch {torch} ({cuda}), DeepSpeed {deepspeed}, NCCL {nccl}".format(**v)
+                  + f", env {settings['env_prefix']}")
+        rows.append(_row("env and versions", n, "FAIL" if diff else "PASS", detail, PROVISION_FIX))
+    if settings.get("code_dir"):
+        for n in ok:
+            exists = probe[n].get("code_dir_exists")
+            rows.append(_row("code path", n, "PASS" if exists else "FAIL",
+                             f"{settings['code_dir']} {'exists' if exists else 'is missing'}",
+                             "mount the shared code directory at the same path on every node, "
+                             "or set dsc_code_shared: false to sync the code at launch"))
+    for node in cluster["nodes"]:
+        n = node["name"]
+        if n not in ok:
+            continue
+        slots, gpus, cpus = node["slots"], node["gpus"], probe[n].get("cpus") or 0
+        torch_gpus = (probe[n].get("versions") or {}).get("torch_gpus", 0)
+        if gpus:
+            if slots > gpus:
+                st, d = "FAIL", f"dsc_slots={slots} but nvidia-smi sees {gpus} GPUs on {n}"
+            elif torch_gpus != gpus and "error" not in (probe[n].get("versions") or {}):
+                st, d = "FAIL", f"nvidia-smi sees {gpus} GPUs but torch sees {torch_gpus} on {n}"
+            elif slots < gpus:
+                st, d = "WARN", f"{slots} of {gpus} GPUs used on {n}"
+            else:
+                st, d = "PASS", f"{slots} slots = {gpus} GPUs"
+            fix = "set dsc_slots to the GPU count (or auto); check CUDA_VISIBLE_DEVICES and the driver"
+        else:
+            st, d = ("FAIL", f"dsc_slots={slots} CPU ranks but {n} has {cpus} CPUs") if slots > cpus \
+                else ("PASS", f"{slots} CPU ranks on {cpus} CPUs")
+            fix = f"set dsc_slots on {n} to at most its CPU count ({cpus})"
+        rows.append(_row("slots", n, st, d, fix))
+    for node in cluster["nodes"]:
+        n = node["name"]
+        if n in ok:
+            cuda = (probe[n].get("versions") or {}).get("cuda")
+            rows.append(_row("driver", n, *driver_verdict(cuda, node["driver"])))
+    for n in ok:
+        disk = probe[n].get("disk") or {}
+        free, need = disk.get("free_gib", 0), settings["min_free_gib"]
+        st = "FAIL" if free < need else "WARN" if free < 2 * need else "PASS"
+        rows.append(_row("disk", n, st, f"{free} GiB free at {disk.get('path')} (runs and checkpoints; "
+                         f"want {need} GiB)", "free space there, or point dsc_run_root at a larger disk"))
+    port = probe.get(master, {}).get("port")
+    if port:
+        first, last = settings["port_first"], settings["port_last"]
+        if port["wanted_free"]:
+            rows.append(_row("master port", master, "PASS", f"{first} is free"))
+        elif port["first_free"]:
+            rows.append(_row("master port", master, "WARN",
+                             f"{first} is in use on {master}; launch will take {port['first_free']} "
+                             f"(the next free port in {first}-{last})",
+                             f"stop what holds {first} (ss -ltnp 'sport = :{first}') if it is a stale run"))
+        else:
+            rows.append(_row("master port", master, "FAIL", f"every port {first}-{last} is in use on {master}",
+                             "stop the runs holding them, or widen dsc_master_port_last"))
+        active = probe[master].get("active_run")
+        rows.append(_row("active run", master, "WARN" if active else "PASS",
+                         f"run {active} is active" if active else "no run is active",
+                         f"stop it (stop.yml -e run_id={active}) or launch with -e replace=true"))
+    tcp_port = hv[master].get("__preflight_tcp_port")
+    for n in ok:
+        t = hv[n].get("__preflight_tcp")
+        if not tcp_port or t is None:
+            continue
+        target = f"{cluster['master_addr']}:{tcp_port}"
+        rows.append(_row("tcp to master port", n, "PASS" if t["ok"] else "FAIL",
+                         f"{n} -> {target} {'connects' if t['ok'] else 'fails: ' + t['msg']}",
+                         f"open {settings['port_first']}-{settings['port_last']}/tcp on {master} to "
+                         f"the cluster's addresses (provision.yml's firewall does), and check routes"))
+    for n in ok:
+        fw = probe[n].get("firewall") or {}
+        if fw.get("state") == "active" and fw.get("master_rule") is False:
+            rows.append(_row("firewall", n, "WARN", f"{fw['tool']} active without the toolkit's rules",
+                             "re-run provision.yml (cluster_network_firewall) or open the ports yourself"))
+        else:
+            rules = " with the toolkit's rules" if fw.get("master_rule") else ""
+            rows.append(_row("firewall", n, "PASS", f"{fw.get('tool') or 'no firewall tool'}: "
+                             f"{fw.get('state')}{rules}"))
+    for node in cluster["nodes"]:
+        n = node["name"]
+        if n in ok:
+            rows.append(_row("interface", n, *interface_verdict(
+                n, node["addr"], probe[n].get("interfaces") or {}, settings.get("ifname"))))
+    for n in names:
+        m = mesh.get(n) or {}
+        if "offset_s" not in m:
+            continue
+        off, err = abs(m["offset_s"]), m["rtt_s"] / 2
+        st = ("FAIL" if off - err > settings["clock_fail_s"] else
+              "WARN" if off - err > settings["clock_warn_s"] else "PASS")
+        rows.append(_row("clock", n, st, f"offset {m['offset_s']:+.4f} s against {master} (+-{err:.4f})",
+                         "run chrony or systemd-timesyncd on every node"))
+    for n in names:
+        ip = hv[n].get("__preflight_iperf")
+        if ip is None:
+            continue
+        if ip.get("gbps") is not None:
+            rows.append(_row("iperf3", n, "PASS", f"{n} -> {ip['to']}: {ip['gbps']:.2f} Gbit/s"))
+        else:
+            rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {ip.get('error')}",
+                             "install iperf3 (base_packages) and allow the cluster's addresses"))
+    ar = hv[master].get("__preflight_allreduce")
+    if ar is not None:
+        if ar.get("skipped"):
+            rows.append(_row("all-reduce", "all", "WARN", f"not measured: {ar['skipped']}",
+                             "fix what the rows above name, then run preflight.yml again"))
+        elif ar.get("busbw_gbps_max") is not None:
+            big = ar["rows"][-1]
+            rows.append(_row("all-reduce", "all", "PASS",
+                             f"{ar['world_size']} ranks ({ar['backend']}): busbw {big['busbw_gbps']:.3f} GB/s "
+                             f"at {big['bytes'] // 2**20} MiB"))
+        else:
+            rows.append(_row("all-reduce", "all", "FAIL", ar.get("error", "did not finish"),
+                             "read the run's launcher.log (kept in the report); fix the FAILs above first"))
+    return rows
+
+
+def preflight_facts(hostvars, cluster):
+    """What the nodes reported, for the JSON report beside the verdicts."""
+    names, master = cluster["node_names"], cluster["master"]
+    return {
+        "nodes": {n: hostvars[n].get("__preflight_probe") for n in names},
+        "mesh": hostvars[master].get("__preflight_mesh"),
+        "tcp": {n: hostvars[n].get("__preflight_tcp") for n in names},
+        "iperf3": {n: hostvars[n].get("__preflight_iperf") for n in names
+                   if hostvars[n].get("__preflight_iperf") is not None},
+        "allreduce": hostvars[master].get("__preflight_allreduce"),
+    }
+
+
+def preflight_table(rows):
+    widths = [max(len(r[k]) for r in rows + [{"check": "check", "node": "node", "status": "status"}])
+              for k in ("check", "node", "status")]
+    lines = [f"{'check':<{widths[0]}}  {'node':<{widths[1]}}  {'status':<{widths[2]}}  detail"]
+    for r in rows:
+        lines.append(f"{r['check']:<{widths[0]}}  {r['node']:<{widths[1]}}  {r['status']:<{widths[2]}}  {r['detail']}")
+        if r["fix"]:
+            lines.append(f"{'':<{widths[0] + widths[1] + widths[2] + 6}}fix: {r['fix']}")
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "WARN", "FAIL")}
+    lines.append(f"{counts['PASS']} passed, {counts['WARN']} warnings, {counts['FAIL']} failed")
+    return lines
+
+
+class FilterModule:
+    def filters(self):
+        return {"dsc_preflight_rows": preflight_rows, "dsc_preflight_table": preflight_table,
+                "dsc_preflight_facts": preflight_facts}
