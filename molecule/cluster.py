@@ -69,11 +69,13 @@ def start(name, hostname, ip, port):
     sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
        "--network", NETWORK, "--ip", ip, "--no-hosts",
        "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--cap-add", "SYS_PTRACE",
-       "--cap-add", "AUDIT_WRITE", "--shm-size", "1g",
+       "--cap-add", "AUDIT_WRITE", "--shm-size", "1g", "--init",
        IMAGE, "/bin/sh", "-c",
-       # Per-container host keys, a hosts file the node owns, then sshd in the foreground.
-       f"ssh-keygen -A && printf '127.0.0.1 localhost\\n{ip} {hostname}\\n' > /etc/hosts "
-       f"&& exec /usr/sbin/sshd -D -p {port}")
+       # Per-container host keys, a hosts file the node owns (kept across a restart), then sshd
+       # as a daemon: a test can stop sshd alone, as on a real node, or the whole container.
+       f"ssh-keygen -A && (grep -q ' {hostname}$' /etc/hosts || "
+       f"printf '127.0.0.1 localhost\\n{ip} {hostname}\\n' > /etc/hosts) "
+       f"&& /usr/sbin/sshd -p {port} && exec sleep infinity")
 
 
 def up(nodes):
@@ -113,6 +115,13 @@ def up(nodes):
     info = {"nodes": nodes, "hosts": hosts, "outsider": {"name": OUTSIDER, "ip": "10.89.77.200"}}
     (STATE / "cluster.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+def start_sshd(node):
+    """Start a node's sshd again after a test stopped it."""
+    h = next(h for h in json.loads((STATE / "cluster.json").read_text())["hosts"] if h["name"] == node)
+    sh("podman", "exec", PREFIX + node, "/usr/sbin/sshd", "-p", str(h["port"]))
+    wait_ssh([h])
 
 
 def ssh_args():

@@ -9,6 +9,7 @@ Every role and template reads the model through these filters:
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import posixpath
 import re
@@ -31,6 +32,8 @@ TORCH_INDEXES = {
 }
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 DS_ENV_SAFE = re.compile(r"^[\w@%+=:,./-]*$")
+EXACT_VERSION = re.compile(r"^\d+(\.\d+)+([a-z0-9.+-]*)$")
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
 def _nodes(groups):
@@ -126,6 +129,12 @@ def cluster_errors(hostvars, groups, check_wheelhouse=os.path.isdir):
                           f"{seen_addr[addr]}. Fix: give each node its own training-network "
                           f"address.")
         seen_addr.setdefault(addr, name)
+        if re.fullmatch(r"[0-9.]+", addr):
+            try:
+                ipaddress.IPv4Address(addr)
+            except ValueError:
+                errors.append(f"dsc_addr on host {name} is {addr!r}, not an IPv4 address. Fix: the "
+                              f"node's address on the training network, e.g. 10.0.0.11.")
         port = hv.get("ssh_port")
         if not _is_int(port) or not 0 < int(port) < 65536:
             errors.append(f"dsc_ssh_port on host {name} is {port!r}. Fix: a TCP port 1-65535.")
@@ -158,6 +167,23 @@ def _cluster_wide_errors(name, hv, check_wheelhouse):
     if not posixpath.isabs(run_root):
         errors.append(f"dsc_run_root on host {name} is {run_root!r}, not an absolute path. Fix: "
                       f"an absolute path such as /opt/dscluster/runs.")
+    for var, example in (("dsc_torch_version", "2.13.0"), ("dsc_deepspeed_version", "0.19.8")):
+        value = str(hv.get(var, example))
+        if not EXACT_VERSION.match(value):
+            errors.append(f"{var} on host {name} is {value!r}, not an exact version. Fix: pin one "
+                          f"release, e.g. {example!r}: the same on every node, no range.")
+    pyver = str(hv.get("dsc_python_version", "3.11"))
+    if not re.fullmatch(r"3\.\d+(\.\d+)?", pyver):
+        errors.append(f"dsc_python_version on host {name} is {pyver!r}. Fix: a Python 3 version "
+                      f"such as '3.11' (quoted in YAML).")
+    user = str(hv.get("dsc_train_user", "dstrain"))
+    if user == "root" or not USER_NAME.match(user):
+        errors.append(f"dsc_train_user on host {name} is {user!r}. Fix: a non-root user name "
+                      f"(lower case, e.g. dstrain): ranks must not run as root.")
+    cname = str(hv.get("dsc_cluster_name", "default"))
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", cname) or cname in (".", ".."):
+        errors.append(f"dsc_cluster_name on host {name} is {cname!r}. Fix: letters, digits, '.', "
+                      f"'_' and '-' only (it names key and report files).")
     variant = hv.get("dsc_torch_variant", "cpu")
     if variant not in TORCH_INDEXES:
         errors.append(f"dsc_torch_variant on host {name} is {variant!r}. Fix: one of "
@@ -272,6 +298,8 @@ def batch(micro, accum, total, world):
 
 def status_row(st):
     st = st or {}
+    if st.get("state") == "unreachable":
+        return f"{st.get('host', '?')}: unreachable (node down or sshd stopped)"
     last = st.get("last") or {}
     mem = last.get("mem_allocated_gib", last.get("rss_max_gib", "-"))
     return (f"{st.get('host', '?')}: {st.get('state', '?')}, ranks alive {st.get('ranks_alive', 0)}, "

@@ -4,7 +4,11 @@
 Installed on every node as <dsc_install_root>/bin/dsc-runctl and run by the launch, status and
 stop playbooks; standard library only (it runs under the node's system python3).
 
-    dsc-runctl start RUN_DIR RUN_ID -- CMD...   # detach (setsid), log to RUN_DIR/launcher.log
+    dsc-runctl start RUN_DIR RUN_ID [--hosts H1,H2] [--max-restarts N] [--backoff S] -- CMD...
+                                                # detach (setsid) a supervisor that runs CMD,
+                                                # logs to RUN_DIR/launcher.log, tears the run
+                                                # down everywhere when a node fails, and
+                                                # restarts it from its checkpoint (opt-in)
     dsc-runctl procs RUN_ID                     # JSON: processes that carry DSC_RUN_ID=RUN_ID
     dsc-runctl stop RUN_ID [--grace S]          # TERM, then KILL after S seconds; JSON result
     dsc-runctl status RUN_DIR RUN_ID            # JSON: state, ranks alive, last metrics, first error
@@ -16,10 +20,17 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+# What the launchers print when a node's ranks end badly: launch.py on the node (pdsh prefixes its
+# lines with the node name), and pdsh itself when a node's ssh session ends non-zero (255: the
+# connection was lost, e.g. the node died).
+RANK_EXIT = re.compile(r"^(\S+): .*exits with return code = (-?\d+)")
+SSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+CAUSE_ORDER = {"signal": 0, "lost": 1, "exit": 2}
 ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code = [1-9]|"
                         r"was not reachable|Address already in use)")
 
@@ -108,10 +119,22 @@ def status(run_dir, run_id):
         lines = metrics.read_text().strip().splitlines()
         last = json.loads(lines[-1]) if lines else None
     restarts = (run / "restarts").read_text().strip() if (run / "restarts").exists() else "0"
+    failure = None
+    if (run / "failure.json").exists():
+        try:
+            failure = json.loads((run / "failure.json").read_text())
+        except ValueError:
+            pass
+    error = None
+    if state in ("failed", "lost"):
+        error = first_error(run / "launcher.log")
+        if failure:
+            error = f"{failure['message']}; first error: {error}" if error else failure["message"]
     return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
             "launcher_pid": launcher, "ranks_alive": sum(1 for p in ps if is_rank(p)),
             "processes": len(ps), "last": last, "restarts": int(restarts),
-            "first_error": first_error(run / "launcher.log") if state in ("failed", "lost") else None}
+            "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
+            "first_error": error}
 
 
 def free_port(first, last):
@@ -135,10 +158,86 @@ def active(run_root):
     return {}
 
 
-def start(run_dir, run_id, cmd):
-    """Double-fork into a new session so the launcher outlives the Ansible connection."""
+def failure_event(line):
+    """A node's failure as the launcher log shows it, or None."""
+    m = RANK_EXIT.match(line)
+    if m and m.group(2) != "0":
+        code = int(m.group(2))
+        return {"node": m.group(1), "code": code, "kind": "signal" if code < 0 else "exit",
+                "line": line.strip()[:400]}
+    m = SSH_EXIT.match(line)
+    if m:
+        code = int(m.group(2))
+        return {"node": m.group(1), "code": code, "kind": "lost" if code == 255 else "exit",
+                "line": line.strip()[:400]}
+    return None
+
+
+def describe(cause):
+    if cause["kind"] == "signal":
+        name = signal.Signals(-cause["code"]).name if -cause["code"] in signal.Signals._value2member_map_ else cause["code"]
+        return f"a rank on {cause['node']} was killed by {name}"
+    if cause["kind"] == "lost":
+        return f"the connection to {cause['node']} was lost (node down or sshd gone)"
+    return f"ranks on {cause['node']} exited with code {cause['code']}"
+
+
+def write_json(path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj) + "\n")
+    tmp.rename(path)
+
+
+def teardown(run_id, hosts):
+    """Stop every process of the run here and, through pdsh, on the other nodes (by the
+    DSC_RUN_ID marker each process carries, so orphans go too)."""
+    others = hosts[1:]
+    if others:
+        subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
+                        os.path.abspath(__file__), "stop", run_id, "--grace", "5"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
+    return stop(run_id, 5.0)
+
+
+def watch(child, run, run_id, hosts, grace=3.0):
+    """Wait for the launcher; when a node fails and the run has not ended grace seconds later
+    (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere."""
+    log = run / "launcher.log"
+    pos = log.stat().st_size if log.exists() else 0
+    events, deadline, torn = [], None, None
+    while True:
+        code = child.poll()
+        with open(log, errors="replace") as f:
+            f.seek(pos)
+            chunk = f.read()
+        done = chunk.rfind("\n") + 1
+        pos += len(chunk[:done].encode(errors="replace"))
+        for line in chunk[:done].splitlines():
+            ev = failure_event(line)
+            if ev:
+                ev["time"] = time.time()
+                events.append(ev)
+        if code is not None:
+            break
+        if events and deadline is None:
+            deadline = time.time() + grace
+        if deadline and torn is None and time.time() >= deadline:
+            torn = {"started": time.time()}
+            child.terminate()  # DeepSpeed's runner relays it to pdsh and pkills its launchers
+            torn.update(teardown(run_id, hosts))
+            torn["done"] = time.time()
+        time.sleep(0.5)
+    cause = min(events, key=lambda e: (CAUSE_ORDER[e["kind"]], e["time"])) if events else None
+    return code, cause, torn
+
+
+def start(run_dir, run_id, cmd, hosts=(), max_restarts=0, backoff=10.0):
+    """Double-fork into a new session so the supervisor outlives the Ansible connection; the
+    supervisor's pid is the run's launcher.pid until the run ends, restarts included."""
     run = Path(run_dir)
     (run / "exit_code").unlink(missing_ok=True)
+    (run / "failure.json").unlink(missing_ok=True)
     if os.fork():
         for _ in range(50):  # wait until the pid file exists
             if (run / "launcher.pid").exists():
@@ -154,13 +253,33 @@ def start(run_dir, run_id, cmd):
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    (run / "launcher.pid").write_text(str(os.getpid()))
     env = dict(os.environ, DSC_RUN_ID=run_id, DSC_RUN_DIR=str(run))
-    child = os.fork()
-    if child == 0:
-        os.execvpe(cmd[0], cmd, env)
-    (run / "launcher.pid").write_text(str(child))
-    _, st = os.waitpid(child, 0)
-    code = os.waitstatus_to_exitcode(st)
+    restarts_file = run / "restarts"
+    restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0
+    attempt = list(cmd)
+    while True:
+        child = subprocess.Popen(attempt, env=env, stdin=subprocess.DEVNULL)
+        (run / "launcher.child").write_text(str(child.pid))
+        code, cause, torn = watch(child, run, run_id, list(hosts))
+        if cause:
+            write_json(run / "failure.json", dict(cause, message=describe(cause), exit_code=code,
+                                                  teardown=torn, restarts=restarts))
+        if code == 0 or (run / "stopped").exists() or restarts >= max_restarts:
+            break
+        restarts += 1
+        wait = min(backoff * 2 ** (restarts - 1), 600.0)
+        restarts_file.write_text(f"{restarts}\n")
+        with open(run / "restarts.log", "a") as f:
+            f.write(json.dumps({"restart": restarts, "time": time.time(), "after_exit_code": code,
+                                "cause": describe(cause) if cause else None, "backoff_s": wait}) + "\n")
+        print(f"[dsc-runctl] restart {restarts}/{max_restarts} in {wait:.0f} s from the latest "
+              f"complete checkpoint ({describe(cause) if cause else f'exit code {code}'})", flush=True)
+        teardown(run_id, list(hosts))  # nothing of the failed attempt may linger anywhere
+        time.sleep(wait)
+        if (run / "stopped").exists():
+            break
+        attempt = list(cmd) + ([] if "--resume" in cmd else ["--resume"])
     tmp = run / "exit_code.tmp"
     tmp.write_text(f"{code}\n")
     tmp.rename(run / "exit_code")
@@ -175,7 +294,11 @@ def main(argv):
     cmd, args = argv[0], argv[1:]
     if cmd == "start":
         sep = args.index("--")
-        return start(args[0], args[1], args[sep + 1:])
+        opts = dict(zip(args[2:sep:2], args[3:sep:2]))
+        return start(args[0], args[1], args[sep + 1:],
+                     hosts=[h for h in opts.get("--hosts", "").split(",") if h],
+                     max_restarts=int(opts.get("--max-restarts", 0)),
+                     backoff=float(opts.get("--backoff", 10)))
     if cmd == "procs":
         print(json.dumps(procs(args[0])))
     elif cmd == "stop":

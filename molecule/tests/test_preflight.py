@@ -1,0 +1,150 @@
+"""preflight.yml on the container cluster: a healthy cluster passes with measurements, and each
+injected fault is caught by name, with the node and a fix. Every fault is undone in `finally`."""
+import json
+
+import cluster as testcluster
+
+DS_VERSION_FILE = "/opt/dscluster/env/lib/python3.11/site-packages/deepspeed/git_version_info_installed.py"
+
+
+def preflight(cluster, tmp_path, *args, full=False):
+    r = cluster.playbook("preflight.yml", "-e", f"preflight_full={str(full).lower()}",
+                         "-e", f"preflight_report_dir={tmp_path}", *args)
+    report = tmp_path / "preflight-testcluster-latest.json"
+    r.report = json.loads(report.read_text()) if report.exists() else None
+    return r
+
+
+def rows(report, check, status=None):
+    return [r for r in report["checks"] if r["check"] == check and (status is None or r["status"] == status)]
+
+
+def test_healthy_cluster_passes_with_network_figures(provisioned, cluster, tmp_path):
+    r = preflight(cluster, tmp_path, full=True)
+    assert r.returncode == 0, r.output[-6000:]
+    rep = r.report
+    assert rep["summary"]["fail"] == 0 and rep["summary"]["warn"] == 0, rep["checks"]
+    for check in ("reachable", "ssh from master", "names", "env and versions", "slots", "driver", "disk",
+                  "tcp to master port", "firewall", "interface", "clock", "iperf3"):
+        assert {x["node"] for x in rows(rep, check)} == set(cluster.names), check
+    assert rows(rep, "master port", "PASS") and rows(rep, "inventory", "PASS")
+    iperf = rep["measured"]["iperf3"]
+    assert {v["to"] for v in iperf.values()} == set(cluster.names) and all(v["gbps"] > 0 for v in iperf.values())
+    ar = rep["measured"]["allreduce"]
+    assert ar["world_size"] == 2 and ar["backend"] == "gloo" and ar["busbw_gbps_max"] > 0
+    # nccl-tests' definition: busbw = algbw x 2(n-1)/n, which is algbw itself for two ranks.
+    assert all(abs(x["busbw_gbps"] - x["algbw_gbps"]) < 1e-3 for x in ar["rows"])
+    print("\npreflight figures:", json.dumps({"iperf3": iperf, "allreduce": ar["rows"]}))
+    assert "28 passed, 0 warnings, 0 failed" in r.output
+    # The all-reduce's run directory is not left behind to be taken for a training run.
+    left = cluster.exec(cluster.master, "ls /opt/dscluster/runs | grep -c '^preflight-' || true").stdout.strip()
+    assert left == "0"
+
+
+def _caught(r, check, node, needle, status="FAIL"):
+    assert r.report is not None, r.output[-4000:]
+    hits = [x for x in rows(r.report, check, status) if x["node"] == node]
+    assert hits, (check, node, status, r.report["checks"])
+    assert needle in hits[0]["detail"], hits[0]
+    assert hits[0]["fix"], hits[0]
+    assert f"{check}".ljust(5) in r.output and needle in r.output  # in the table, not only the JSON
+    return hits[0]
+
+
+def test_sshd_stopped_on_a_worker(provisioned, cluster, tmp_path):
+    worker = cluster.names[1]
+    cluster.exec(worker, "pkill -x sshd", check=False)
+    try:
+        r = preflight(cluster, tmp_path)
+        assert r.returncode != 0
+        _caught(r, "reachable", worker, f"Ansible cannot reach {worker}")
+        _caught(r, "ssh from master", worker, f"dstrain@{cluster.master} cannot ssh to {worker}")
+    finally:
+        testcluster.start_sshd(worker)
+
+
+def test_master_port_blocked_by_a_firewall_rule(provisioned, cluster, tmp_path):
+    worker_ip = cluster.info["hosts"][1]["ip"]
+    rule = f"INPUT -p tcp -s {worker_ip} --dport 29500 -j DROP"
+    cluster.exec(cluster.master, f"iptables -I {rule}")
+    try:
+        r = preflight(cluster, tmp_path)
+        assert r.returncode != 0
+        _caught(r, "tcp to master port", cluster.names[1], "timed out")
+        assert rows(r.report, "tcp to master port", "PASS")[0]["node"] == cluster.master
+    finally:
+        cluster.exec(cluster.master, f"iptables -D {rule}")
+
+
+def test_different_deepspeed_version_on_one_node(provisioned, cluster, tmp_path):
+    worker = cluster.names[1]
+    cluster.exec(worker, f"sed -i \"s/^version='0.19.8'/version='0.19.7'/\" {DS_VERSION_FILE}")
+    try:
+        r = preflight(cluster, tmp_path)
+        assert r.returncode != 0
+        _caught(r, "env and versions", worker, f"deepspeed 0.19.7 here, 0.19.8 on {cluster.master}")
+    finally:
+        cluster.exec(worker, f"sed -i \"s/^version='0.19.7'/version='0.19.8'/\" {DS_VERSION_FILE}")
+
+
+def test_env_missing_on_one_node(provisioned, cluster, tmp_path):
+    worker = cluster.names[1]
+    cluster.exec(worker, "mv /opt/dscluster/env /opt/dscluster/env.moved")
+    try:
+        r = preflight(cluster, tmp_path)
+        assert r.returncode != 0
+        _caught(r, "env and versions", worker, "/opt/dscluster/env/bin/python does not exist")
+    finally:
+        cluster.exec(worker, "mv /opt/dscluster/env.moved /opt/dscluster/env")
+
+
+def test_more_slots_than_the_node_can_hold(provisioned, cluster, tmp_path):
+    cpus = int(cluster.exec(cluster.master, "nproc").stdout)
+    r = preflight(cluster, tmp_path, "-e", f"dsc_slots={cpus + 1}")
+    assert r.returncode != 0
+    _caught(r, "slots", cluster.master, f"dsc_slots={cpus + 1} CPU ranks but {cluster.master} has {cpus} CPUs")
+
+
+def test_master_port_occupied_names_the_next_free_one(provisioned, cluster, tmp_path):
+    holder = ("import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 29500)); s.listen(1); "
+              "open('/tmp/holder.ready','w').close(); time.sleep(120)")
+    cluster.exec(cluster.master, f"rm -f /tmp/holder.ready; (nohup python3 -c \"{holder}\" >/dev/null 2>&1 &); "
+                                 "for i in $(seq 50); do test -f /tmp/holder.ready && break; sleep 0.1; done")
+    try:
+        r = preflight(cluster, tmp_path)
+        assert r.returncode == 0, r.output[-4000:]  # a warning, not a failure: launch moves on
+        _caught(r, "master port", cluster.master, "29500 is in use on node1; launch will take 29501", "WARN")
+        tcp = rows(r.report, "tcp to master port", "PASS")
+        assert len(tcp) == 2 and all(":29501 connects" in x["detail"] for x in tcp)
+    finally:
+        cluster.exec(cluster.master, "pkill -f 'time.sleep\\(120\\)'", check=False)
+
+
+def test_wrong_interface_name(provisioned, cluster, tmp_path):
+    env = {"cluster_network_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"}}
+    r = preflight(cluster, tmp_path, "-e", json.dumps(env))
+    assert r.returncode != 0
+    for node in cluster.names:
+        _caught(r, "interface", node, f"interface eth9 (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does not exist on {node}")
+
+
+def test_launch_runs_the_fast_checks_first_and_can_skip_them(provisioned, cluster, tmp_path):
+    env = json.dumps({"cluster_network_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"},
+                      "preflight_report_dir": str(tmp_path)})
+    r = cluster.playbook("launch.yml", "-e", env, "-e", "dry_run=true", "-e", "run_id=pf-refused")
+    assert r.returncode != 0 and "Preflight failed" in r.output and "-e preflight=false" in r.output
+    assert "Start DeepSpeed" not in r.output and "Render the run's files" not in r.output
+    skipped = cluster.playbook("launch.yml", "-e", env, "-e", "dry_run=true", "-e", "preflight=false",
+                               "-e", "run_id=pf-skipped")
+    assert "Preflight failed" not in skipped.output
+    assert "Render the run's files" in skipped.output, skipped.output[-3000:]
+
+
+def test_report_is_valid_json_with_one_row_per_check_and_node(provisioned, cluster, tmp_path):
+    r = preflight(cluster, tmp_path)
+    assert r.returncode == 0, r.output[-3000:]
+    rep = r.report
+    assert rep["mode"] == "fast" and rep["measured"]["allreduce"] is None
+    keys = [(x["check"], x["node"]) for x in rep["checks"]]
+    assert len(keys) == len(set(keys))
+    assert all(x["status"] in ("PASS", "WARN", "FAIL") for x in rep["checks"])
