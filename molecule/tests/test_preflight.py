@@ -106,10 +106,11 @@ def test_more_slots_than_the_node_can_hold(provisioned, cluster, tmp_path):
 
 
 def test_master_port_occupied_names_the_next_free_one(provisioned, cluster, tmp_path):
-    holder = ("import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 29500)); s.listen(1); "
+    holder = ("import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+              "s.bind(('0.0.0.0', 29500)); s.listen(1); "
               "open('/tmp/holder.ready','w').close(); time.sleep(120)")
     cluster.exec(cluster.master, f"rm -f /tmp/holder.ready; (nohup python3 -c \"{holder}\" >/dev/null 2>&1 &); "
-                                 "for i in $(seq 50); do test -f /tmp/holder.ready && break; sleep 0.1; done")
+                                 "for i in $(seq 50); do test -f /tmp/holder.ready && break; sleep 0.1; done; test -f /tmp/holder.ready")
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode == 0, r.output[-4000:]  # a warning, not a failure: launch moves on
