@@ -8,7 +8,10 @@
 #     WHEELS_DIR       wheels for the node (DeepSpeed + missing deps) and for Ansible (ansible-core + deps)
 #     COLLECTIONS_TGZ  ansible_collections/{ansible/posix,community/crypto,community/general} as .tgz
 #     REFERENCE_PY     the hand-run reference script (gpt_reference.py)
-#     PRESETS          e.g. "zero2 zero3"; REFS e.g. "ds2 ds3 torch"
+#     PRESETS          e.g. "zero2 zero3"; a variant adds +compile, +mbN (micro-batch) or +gpusN
+#                      (slots), e.g. "zero2+gpus1 zero2+gpus1+compile+mb12"
+#     REFS             e.g. "ds2 ds3 torch"; ds2x2/ds3x2 run the hand-run reference on 2 GPUs
+#   PREFLIGHT=1 runs preflight.yml (all-reduce across the node's GPUs) after provisioning.
 set -uo pipefail
 wheels=$(realpath "$1"); coll=$(realpath "$2"); ref=$(realpath "$3"); presets=${4:-zero2}; refs=${5:-}
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
@@ -30,10 +33,24 @@ if [ ! -f /tmp/dsc-provision.done ]; then
   echo "provision.yml: $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee "$out/provision.txt" /tmp/dsc-provision.done
   grep -A4 '"node | python' "$out/provision.log"
 fi
+if [ "${PREFLIGHT:-0}" = 1 ]; then
+  ap preflight.yml -e preflight_allreduce_sizes=1,16,256,1024 -e preflight_allreduce_iters=20 \
+    -e preflight_report_dir="$out" > "$out/preflight.log" 2>&1; echo "preflight rc=$?"
+  grep -E '"(all-reduce|slots|env and versions|driver|interface) ' "$out/preflight.log"
+fi
 for p in $presets; do
   t0=$(date +%s.%N)
-  id=gpu-$p-$(date +%s)
-  ap launch.yml -e preset=$p -e follow=true -e run_id=$id ${LAUNCH_EXTRA:-} > "$out/launch-$p.log" 2>&1
+  preset=${p%%+*}; extra=()
+  for opt in $(echo "$p" | tr '+' ' ' | cut -d' ' -f2-); do
+    [ "$opt" = "$preset" ] && continue
+    case $opt in
+      compile) extra+=(-e '{"dsc_entry_args": ["--set", "compile=true"]}') ;;
+      mb*) extra+=(-e "dsc_micro_batch=${opt#mb}") ;;
+      gpus*) extra+=(-e "dsc_slots=${opt#gpus}") ;;
+    esac
+  done
+  id=gpu-${p//+/-}-$(date +%s)
+  ap launch.yml -e preset=$preset -e follow=true -e run_id=$id "${extra[@]}" ${LAUNCH_EXTRA:-} > "$out/launch-$p.log" 2>&1
   rc=$?
   d=/opt/dscluster/runs/$id
   cp $d/metrics.jsonl "$out/metrics-$p.jsonl" 2>/dev/null; cp $d/summary.json "$out/summary-$p.json" 2>/dev/null
@@ -49,8 +66,10 @@ for r in $refs; do
   case $r in
     ds2) /opt/torch/.venv/bin/deepspeed --num_gpus 1 --master_port 29600 "$ref" --mode ds --stage 2 ;;
     ds3) /opt/torch/.venv/bin/deepspeed --num_gpus 1 --master_port 29601 "$ref" --mode ds --stage 3 ;;
+    ds2x2) /opt/torch/.venv/bin/deepspeed --num_gpus 2 --master_port 29602 "$ref" --mode ds --stage 2 ;;
+    ds3x2) /opt/torch/.venv/bin/deepspeed --num_gpus 2 --master_port 29603 "$ref" --mode ds --stage 3 ;;
     torch) $py "$ref" --mode torch ;;
-  esac 2>&1 | grep RESULT | tee -a "$out/reference.txt"
+  esac 2>&1 | grep RESULT | sed "s/^/$r /" | tee -a "$out/reference.txt"
 done
 # One archive: the device link returns only a few files.
 tar -C "$out" -czf /tmp/gpu-results.tgz --exclude gpu-results.tgz . && mv /tmp/gpu-results.tgz "$out/"

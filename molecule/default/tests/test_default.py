@@ -1,0 +1,26 @@
+"""molecule verify: every node provisioned alike (pytest-testinfra, one run per node)."""
+import json
+
+ENV = "/opt/dscluster/env"
+
+
+def test_training_user_owns_the_env(host):
+    assert host.user("dstrain").exists and host.user("dstrain").uid != 0
+    assert host.file(ENV).user == "dstrain"
+
+
+def test_torch_and_deepspeed_import_with_the_pinned_versions(host):
+    out = host.check_output(f"{ENV}/bin/python -c 'import json, torch, deepspeed; "
+                            "print(json.dumps([torch.__version__, deepspeed.__version__]))'")
+    assert json.loads(out.strip().splitlines()[-1]) == ["2.13.0+cpu", "0.19.8"]
+
+
+def test_ds_report_kept_and_jit_cache_warm(host):
+    assert host.file("/opt/dscluster/ds_report.txt").contains("DeepSpeed C++/CUDA extension op report")
+    built = host.run("find /opt/dscluster/cache/torch_extensions -name '*.so'").stdout
+    assert "fused_adam.so" in built and "deepspeed_shm_comm.so" in built
+
+
+def test_pdsh_and_compiler_present(host):
+    for pkg in ("pdsh", "g++", "ninja-build", "python3-dev"):
+        assert host.package(pkg).is_installed, pkg
