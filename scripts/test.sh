@@ -24,9 +24,12 @@ fi
 echo "== removing what an earlier, killed run left behind"
 .venv/bin/python molecule/cluster.py down
 echo "== tests"
+rm -f .cache/test-figures.jsonl
 set +e
 .venv/bin/pytest molecule/tests -v -rs --durations=15 "$@"
 rc=$?
 set -e
+echo "== figures the tests measured (.cache/test-figures.jsonl)"
+cat .cache/test-figures.jsonl 2>/dev/null
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: that is a failure"; exit 1; fi
 exit "$rc"

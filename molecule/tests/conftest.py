@@ -1,8 +1,10 @@
 """Fixtures for the container cluster: brought up once per session (molecule/cluster.py), provisioned
 once with the project's own playbooks over SSH, and shared by the provision, network and launch
 tests. DSC_KEEP_CLUSTER=1 keeps it after the session."""
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,17 @@ def provisioned(cluster):
     second = cluster.playbook("provision.yml")
     assert second.returncode == 0, second.output[-5000:]
     return {"first": first, "second": second}
+
+
+FIGURES = Path(os.environ.get("DSC_TEST_FIGURES", ROOT / ".cache" / "test-figures.jsonl"))
+
+
+@pytest.fixture(scope="session")
+def figures():
+    """Record what a test measured (times, bandwidths, messages) as one JSON line in
+    .cache/test-figures.jsonl; scripts/test.sh prints the file after the run."""
+    def record(test, **values):
+        FIGURES.parent.mkdir(parents=True, exist_ok=True)
+        with FIGURES.open("a") as f:
+            f.write(json.dumps({"test": test, "time": round(time.time(), 1), **values}) + "\n")
+    return record

@@ -68,7 +68,7 @@ def run_status(cluster, run_id):
     return json.loads(cluster.exec(cluster.master, f"/opt/dscluster/bin/dsc-runctl status {RUNS}/{run_id} {run_id}").stdout)
 
 
-def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster):
+def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster, figures):
     run_id, worker = "f-kill", cluster.names[1]
     try:
         launch(cluster, run_id, 100000, 5)
@@ -79,7 +79,7 @@ def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, c
         wait(lambda: nothing_left(cluster, cluster.names, run_id), EXIT_BOUND_S["rank"],
              "every process of the run to exit")
         elapsed = time.time() - t0
-        print(f"\nkill -9 of a rank on {worker} -> last process of the run gone: {elapsed:.1f} s")
+        figures("rank killed", seconds_to_last_exit=round(elapsed, 1), node=worker)
         st = wait(lambda: (s := run_status(cluster, run_id))["state"] == "failed" and s, 30, "state failed")
         assert st["failed_node"] == worker and "killed by SIGKILL" in st["first_error"], st
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
@@ -94,7 +94,7 @@ def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, c
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
-def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster):
+def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
     run_id, worker = "f-down", cluster.names[1]
     try:
         launch(cluster, run_id, 100000, 5)
@@ -104,7 +104,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster):
         wait(lambda: nothing_left(cluster, [cluster.master], run_id), EXIT_BOUND_S["node"],
              "every process of the run on the master to exit")
         elapsed = time.time() - t0
-        print(f"\nworker container stopped -> last process on the master gone: {elapsed:.1f} s")
+        figures("worker stopped", seconds_to_last_exit=round(elapsed, 1), node=worker)
         st = wait(lambda: (s := run_status(cluster, run_id))["state"] == "failed" and s, 30, "state failed")
         assert st["failed_node"] == worker and f"connection to {worker} was lost" in st["first_error"], st
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
@@ -123,7 +123,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster):
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
-def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(provisioned, cluster):
+def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(provisioned, cluster, figures):
     run_id = "f-drop"
     try:
         launch(cluster, run_id, 100000, 1000)
@@ -158,7 +158,7 @@ def _hold_port(cluster, port):
                                  f"test -f /tmp/hold{port}")
 
 
-def test_busy_master_port_takes_the_next_and_an_exhausted_range_says_so(provisioned, cluster):
+def test_busy_master_port_takes_the_next_and_an_exhausted_range_says_so(provisioned, cluster, figures):
     _hold_port(cluster, 29500)
     try:
         r = launch(cluster, "f-port", 3, 1000, follow=True)
@@ -175,7 +175,7 @@ def test_busy_master_port_takes_the_next_and_an_exhausted_range_says_so(provisio
         cluster.exec(cluster.master, "pkill -f 'time.sleep\\(600\\)'", check=False)
 
 
-def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisioned, cluster):
+def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisioned, cluster, figures):
     """The master's checkpoint write is held open deterministically: the file its rank 0 writes
     is a FIFO with no reader (storage that stalls), so the stop lands inside the write."""
     run_id, every = "f-ckpt", 4
@@ -201,12 +201,12 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
         previous = stuck - every
         assert f"resume: loaded {RUNS}/{run_id}/checkpoints/step{previous} (step {previous})" in log
-        print(f"\nstopped while step{stuck} was being written; resumed from step{previous}")
+        figures("stop during checkpoint write", half_written_step=stuck, resumed_from=previous)
     finally:
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
-def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster):
+def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster, figures):
     run_id, worker = "f-restart", cluster.names[1]
     try:
         # ~50 tiny steps/s here: long enough that the kill lands mid-run.
@@ -225,6 +225,6 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
         assert summary["steps"] == 3000 and 100 <= summary["start_step"] < 3000, summary
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: finished (restarts: 1)" in shown.output
-        print(f"\nrestarts seen: {st['restarts']}; resumed from step {summary['start_step']}")
+        figures("auto restart", restarts=st["restarts"], resumed_from=summary["start_step"], steps=summary["steps"])
     finally:
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")

@@ -19,7 +19,7 @@ def rows(report, check, status=None):
     return [r for r in report["checks"] if r["check"] == check and (status is None or r["status"] == status)]
 
 
-def test_healthy_cluster_passes_with_network_figures(provisioned, cluster, tmp_path):
+def test_healthy_cluster_passes_with_network_figures(provisioned, cluster, tmp_path, figures):
     r = preflight(cluster, tmp_path, full=True)
     assert r.returncode == 0, r.output[-6000:]
     rep = r.report
@@ -34,78 +34,82 @@ def test_healthy_cluster_passes_with_network_figures(provisioned, cluster, tmp_p
     assert ar["world_size"] == 2 and ar["backend"] == "gloo" and ar["busbw_gbps_max"] > 0
     # nccl-tests' definition: busbw = algbw x 2(n-1)/n, which is algbw itself for two ranks.
     assert all(abs(x["busbw_gbps"] - x["algbw_gbps"]) < 1e-3 for x in ar["rows"])
-    print("\npreflight figures:", json.dumps({"iperf3": iperf, "allreduce": ar["rows"]}))
+    figures("preflight", iperf3_gbit_s={k: v["gbps"] for k, v in iperf.items()},
+            allreduce_busbw_gb_s={x["bytes"]: x["busbw_gbps"] for x in ar["rows"]})
     assert "28 passed, 0 warnings, 0 failed" in r.output
     # The all-reduce's run directory is not left behind to be taken for a training run.
     left = cluster.exec(cluster.master, "ls /opt/dscluster/runs | grep -c '^preflight-' || true").stdout.strip()
     assert left == "0"
 
 
-def _caught(r, check, node, needle, status="FAIL"):
+def _caught(r, check, node, needle, status="FAIL", figures=None, fault=""):
     assert r.report is not None, r.output[-4000:]
     hits = [x for x in rows(r.report, check, status) if x["node"] == node]
     assert hits, (check, node, status, r.report["checks"])
     assert needle in hits[0]["detail"], hits[0]
     assert hits[0]["fix"], hits[0]
     assert f"{check}".ljust(5) in r.output and needle in r.output  # in the table, not only the JSON
+    if figures:
+        figures("preflight fault", fault=fault, check=check, node=node, status=status,
+                detail=hits[0]["detail"], fix=hits[0]["fix"])
     return hits[0]
 
 
-def test_sshd_stopped_on_a_worker(provisioned, cluster, tmp_path):
+def test_sshd_stopped_on_a_worker(provisioned, cluster, tmp_path, figures):
     worker = cluster.names[1]
     cluster.exec(worker, "pkill -x sshd", check=False)
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode != 0
-        _caught(r, "reachable", worker, f"Ansible cannot reach {worker}")
-        _caught(r, "ssh from master", worker, f"dstrain@{cluster.master} cannot ssh to {worker}")
+        _caught(r, "reachable", worker, f"Ansible cannot reach {worker}", figures=figures, fault="sshd stopped on a worker")
+        _caught(r, "ssh from master", worker, f"dstrain@{cluster.master} cannot ssh to {worker}", figures=figures, fault="sshd stopped on a worker")
     finally:
         testcluster.start_sshd(worker)
 
 
-def test_master_port_blocked_by_a_firewall_rule(provisioned, cluster, tmp_path):
+def test_master_port_blocked_by_a_firewall_rule(provisioned, cluster, tmp_path, figures):
     worker_ip = cluster.info["hosts"][1]["ip"]
     rule = f"INPUT -p tcp -s {worker_ip} --dport 29500 -j DROP"
     cluster.exec(cluster.master, f"iptables -I {rule}")
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode != 0
-        _caught(r, "tcp to master port", cluster.names[1], "timed out")
+        _caught(r, "tcp to master port", cluster.names[1], "timed out", figures=figures, fault="master port blocked by a firewall rule")
         assert rows(r.report, "tcp to master port", "PASS")[0]["node"] == cluster.master
     finally:
         cluster.exec(cluster.master, f"iptables -D {rule}")
 
 
-def test_different_deepspeed_version_on_one_node(provisioned, cluster, tmp_path):
+def test_different_deepspeed_version_on_one_node(provisioned, cluster, tmp_path, figures):
     worker = cluster.names[1]
     cluster.exec(worker, f"sed -i \"s/^version='0.19.8'/version='0.19.7'/\" {DS_VERSION_FILE}")
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode != 0
-        _caught(r, "env and versions", worker, f"deepspeed 0.19.7 here, 0.19.8 on {cluster.master}")
+        _caught(r, "env and versions", worker, f"deepspeed 0.19.7 here, 0.19.8 on {cluster.master}", figures=figures, fault="different DeepSpeed version on one node")
     finally:
         cluster.exec(worker, f"sed -i \"s/^version='0.19.7'/version='0.19.8'/\" {DS_VERSION_FILE}")
 
 
-def test_env_missing_on_one_node(provisioned, cluster, tmp_path):
+def test_env_missing_on_one_node(provisioned, cluster, tmp_path, figures):
     worker = cluster.names[1]
     cluster.exec(worker, "mv /opt/dscluster/env /opt/dscluster/env.moved")
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode != 0
-        _caught(r, "env and versions", worker, "/opt/dscluster/env/bin/python does not exist")
+        _caught(r, "env and versions", worker, "/opt/dscluster/env/bin/python does not exist", figures=figures, fault="env missing on one node")
     finally:
         cluster.exec(worker, "mv /opt/dscluster/env.moved /opt/dscluster/env")
 
 
-def test_more_slots_than_the_node_can_hold(provisioned, cluster, tmp_path):
+def test_more_slots_than_the_node_can_hold(provisioned, cluster, tmp_path, figures):
     cpus = int(cluster.exec(cluster.master, "nproc").stdout)
     r = preflight(cluster, tmp_path, "-e", f"dsc_slots={cpus + 1}")
     assert r.returncode != 0
-    _caught(r, "slots", cluster.master, f"dsc_slots={cpus + 1} CPU ranks but {cluster.master} has {cpus} CPUs")
+    _caught(r, "slots", cluster.master, f"dsc_slots={cpus + 1} CPU ranks but {cluster.master} has {cpus} CPUs", figures=figures, fault="more slots than the node can hold")
 
 
-def test_master_port_occupied_names_the_next_free_one(provisioned, cluster, tmp_path):
+def test_master_port_occupied_names_the_next_free_one(provisioned, cluster, tmp_path, figures):
     holder = ("import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
               "s.bind(('0.0.0.0', 29500)); s.listen(1); "
               "open('/tmp/holder.ready','w').close(); time.sleep(120)")
@@ -114,19 +118,19 @@ def test_master_port_occupied_names_the_next_free_one(provisioned, cluster, tmp_
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode == 0, r.output[-4000:]  # a warning, not a failure: launch moves on
-        _caught(r, "master port", cluster.master, "29500 is in use on node1; launch will take 29501", "WARN")
+        _caught(r, "master port", cluster.master, "29500 is in use on node1; launch will take 29501", "WARN", figures=figures, fault="master port occupied")
         tcp = rows(r.report, "tcp to master port", "PASS")
         assert len(tcp) == 2 and all(":29501 connects" in x["detail"] for x in tcp)
     finally:
         cluster.exec(cluster.master, "pkill -f 'time.sleep\\(120\\)'", check=False)
 
 
-def test_wrong_interface_name(provisioned, cluster, tmp_path):
+def test_wrong_interface_name(provisioned, cluster, tmp_path, figures):
     env = {"cluster_network_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"}}
     r = preflight(cluster, tmp_path, "-e", json.dumps(env))
     assert r.returncode != 0
     for node in cluster.names:
-        _caught(r, "interface", node, f"interface eth9 (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does not exist on {node}")
+        _caught(r, "interface", node, f"interface eth9 (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does not exist on {node}", figures=figures, fault="wrong interface name")
 
 
 def test_launch_runs_the_fast_checks_first_and_can_skip_them(provisioned, cluster, tmp_path):
