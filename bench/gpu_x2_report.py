@@ -2,6 +2,7 @@
 
     python3 bench/gpu_x2_report.py      # prints Markdown, writes bench/results/gpu/summary-x2.json
 
+x2d (a later lease): zero3 on one GPU, zero2 at micro-batch 16 on two.
 x2a: provision, preflight (NCCL all-reduce across both GPUs), zero2 and zero3 on 2 GPUs, hand-run
 ZeRO-2 on 2 GPUs. x2b and x2c: one GPU of the same kind of machine, the tuning variants (+compile,
 +mbN) beside hand-run ZeRO-2 and plain PyTorch. Steady rate: mean step time over the steps after
@@ -37,7 +38,7 @@ def launch_row(path):
 def reference_rows(path):
     """Lines 'NAME RESULT {...}' (bench/gpu.sh); a two-rank run prints one RESULT per rank: keep one."""
     out = []
-    for line in path.read_text().splitlines():
+    for line in (path.read_text().splitlines() if path.exists() else []):
         name = line.split()[0] if not line.startswith("RESULT") else ""
         r = json.loads(re.findall(r"RESULT (\{.*?\})", line)[0])
         gpus = 2 if name.endswith("x2") else 1
@@ -51,7 +52,7 @@ def reference_rows(path):
 
 def main():
     rows = []
-    for d in ("x2a", "x2b", "x2c"):
+    for d in ("x2a", "x2b", "x2c", "x2d"):
         rows += [launch_row(p) for p in sorted((RES / d).glob("metrics-*.jsonl"))]
         rows += reference_rows(RES / d / "reference.txt")
     by = {(r["machine"], r["run"]): r for r in rows}
@@ -62,7 +63,10 @@ def main():
         "2 GPUs: launch.yml zero2 / hand-run ZeRO-2 on 2 GPUs (same call)":
             by[("x2a", "launch.yml zero2")]["tokens_per_s"] / by[("x2a", "DeepSpeed by hand, ZeRO-2")]["tokens_per_s"],
         "scaling efficiency zero2, 2 GPUs vs 1 (micro-batch 8)": by[("x2a", "launch.yml zero2")]["tokens_per_s"] / (2 * one),
-        "scaling efficiency zero3, 2 GPUs vs zero2 on 1 (micro-batch 8)": by[("x2a", "launch.yml zero3")]["tokens_per_s"] / (2 * one),
+        "scaling efficiency zero3, 2 GPUs (x2a) vs 1 GPU (x2d, another lease)":
+            by[("x2a", "launch.yml zero3")]["tokens_per_s"] / (2 * by[("x2d", "launch.yml zero3 +gpus1")]["tokens_per_s"]),
+        "2 GPUs: micro-batch 16 / 8 (zero2; x2d vs x2a)":
+            by[("x2d", "launch.yml zero2 +mb16")]["tokens_per_s"] / by[("x2a", "launch.yml zero2")]["tokens_per_s"],
         "1 GPU: launch.yml zero2 / hand-run ZeRO-2 (same call)":
             one / by[("x2b", "DeepSpeed by hand, ZeRO-2")]["tokens_per_s"],
         "1 GPU: launch.yml zero2 / plain PyTorch (same call)": one / by[("x2b", "plain PyTorch")]["tokens_per_s"],
