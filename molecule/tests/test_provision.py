@@ -44,3 +44,23 @@ def test_base_packages_installed(provisioned, cluster):
     host = cluster.host(cluster.master)
     for pkg in ("pdsh", "tmux", "iperf3", "g++", "ninja-build", "python3-dev"):
         assert host.package(pkg).is_installed, pkg
+
+
+def test_conda_manager_checks_a_pushed_installer_before_running_it(provisioned, cluster, tmp_path):
+    """As far as this machine allows without Miniconda: the air-gapped path pushes the installer to
+    every node and refuses it when its sha256 differs (the download path's get_url checks the same
+    sha256 itself; installing and creating the env need the real installer)."""
+    fake = tmp_path / "Miniconda3-latest-Linux-x86_64.sh"
+    fake.write_text("#!/bin/sh\necho 'not Miniconda'\nexit 1\n")
+    extra = {"dsc_env_manager": "conda", "dsc_conda_installer_file": str(fake), "dsc_conda_installer_sha256": "0" * 64}
+    try:
+        r = cluster.playbook("provision.yml", "-e", json.dumps(extra))
+        assert r.returncode != 0
+        assert "Push the Miniconda installer from the control node" in r.output
+        for node in cluster.names:
+            assert f"dsc_conda_installer_file on host {node}" in r.output and "not dsc_conda_installer_sha256" in r.output
+            cluster.exec(node, "test -f /opt/dscluster/cache/miniconda-installer.sh")
+        assert "Install Miniconda in batch mode" not in r.output  # never run
+    finally:
+        for node in cluster.names:
+            cluster.exec(node, "rm -f /opt/dscluster/cache/miniconda-installer.sh", check=False)
