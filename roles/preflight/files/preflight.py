@@ -163,6 +163,11 @@ def mesh(a):
             continue
         try:
             hostname = p.stdout.readline().strip()
+            if not hostname:  # ssh failed before the command ran: report ssh's own error
+                p.wait(timeout=20)
+                err = p.stderr.read().strip().splitlines() or [f"exit {p.returncode}"]
+                out[node] = {"ok": False, "error": err[-1][:300]}
+                continue
             t0 = time.time()
             p.stdin.write("\n")
             p.stdin.flush()
