@@ -182,9 +182,10 @@ def describe(cause):
     return f"ranks on {cause['node']} exited with code {cause['code']}"
 
 
-def write_json(path, obj):
+def write_atomic(path, text):
+    """Readers (status, the playbooks) never see a half-written file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj) + "\n")
+    tmp.write_text(text)
     tmp.rename(path)
 
 
@@ -263,8 +264,8 @@ def start(run_dir, run_id, cmd, hosts=(), max_restarts=0, backoff=10.0):
         (run / "launcher.child").write_text(str(child.pid))
         code, cause, torn = watch(child, run, run_id, list(hosts))
         if cause:
-            write_json(run / "failure.json", dict(cause, message=describe(cause), exit_code=code,
-                                                  teardown=torn, restarts=restarts))
+            write_atomic(run / "failure.json", json.dumps(dict(cause, message=describe(cause), exit_code=code,
+                                                               teardown=torn, restarts=restarts)) + "\n")
         if code == 0 or (run / "stopped").exists() or restarts >= max_restarts:
             break
         restarts += 1
@@ -280,9 +281,7 @@ def start(run_dir, run_id, cmd, hosts=(), max_restarts=0, backoff=10.0):
         if (run / "stopped").exists():
             break
         attempt = list(cmd) + ([] if "--resume" in cmd else ["--resume"])
-    tmp = run / "exit_code.tmp"
-    tmp.write_text(f"{code}\n")
-    tmp.rename(run / "exit_code")
+    write_atomic(run / "exit_code", f"{code}\n")
     (run / "launcher.pid").unlink(missing_ok=True)
     os._exit(0)
 
