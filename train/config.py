@@ -39,7 +39,8 @@ class Config:
     data: str = "synthetic"            # synthetic | text | array
     data_path: str = ""                # text file or directory (text), .npy of token ids (array)
     steps: int = 20                    # optimizer steps in total (a resumed run counts on)
-    lr: float = 3e-4                   # peak learning rate (also used when ds_config has none)
+    lr: float = 3e-4                   # peak learning rate: run.py sets every param group to its warmup+cosine
+                                       # schedule each step, overriding any lr in ds_config's optimizer
     warmup_steps: int = 2
     min_lr_ratio: float = 0.1          # cosine decay floor, as a fraction of lr
     weight_decay: float = 0.01

@@ -34,7 +34,7 @@ def _iface_matches(name, spec):
 
 def interface_verdict(node, addr, interfaces, configured):
     """(status, detail, fix) for the interface NCCL and gloo will use on a node."""
-    fix_auto = ("unset NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME in cluster_network_env (the toolkit "
+    fix_auto = ("unset NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME in dsc_rank_env (the toolkit "
                 "then names the interface holding dsc_addr), or name one that exists here")
     specs = [s for s in str(configured or "").split(",") if s and not s.startswith("^")]
     if specs:

@@ -1,0 +1,661 @@
+#!/usr/bin/env python3
+"""The node helper: everything the playbooks ask of a node, in one standard-library program.
+
+Installed by provision.yml on every node at /usr/local/lib/dscluster/dsc_node.py (root-owned) and
+run under the node's system python3; `probe` also runs before provisioning (Ansible's script
+module pushes it). Every command prints one JSON object.
+
+    dsc_node.py probe [--run-root DIR]        # GPUs, interfaces, InfiniBand, CPUs, runs (the plan's input)
+    dsc_node.py check                         # preflight: env, versions, names, disk, ports, firewall
+                                              #   (arguments as JSON in $DSC_PREFLIGHT, as for the three below)
+    dsc_node.py mesh                          # from the master, as the training user: ssh to every node, clocks
+    dsc_node.py listen | connect              # hold / reach the master port (preflight's TCP check)
+    dsc_node.py write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
+    dsc_node.py start RUN_DIR RUN_ID --run-root DIR --ports FIRST LAST [--replace] [--hosts H1,H2]
+                      [--max-restarts N] [--backoff S] -- CMD...
+                                              # under a lock: refuse (or replace) an active run, take the
+                                              # first free master port, detach a supervisor that runs CMD,
+                                              # tears the run down everywhere when a node fails and
+                                              # restarts it from its checkpoint (opt-in)
+    dsc_node.py procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
+    dsc_node.py stop RUN_ID [--grace S] [--run-dir DIR]
+                                              # mark the run stopped, TERM, then KILL after S seconds
+    dsc_node.py status RUN_DIR RUN_ID         # state, ranks alive, last metrics, first error
+    dsc_node.py free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
+    dsc_node.py active RUN_ROOT               # the run whose supervisor is alive, if any
+"""
+import base64
+import errno
+import fcntl
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+
+class RunDir:
+    """The run directory's layout: every file name the toolkit reads or writes, in one place."""
+    PID = "launcher.pid"          # the supervisor's pid while the run is alive (restarts included)
+    LOG = "launcher.log"          # DeepSpeed's launcher output (all nodes, through pdsh)
+    CHILD = "launcher.child"      # the current attempt's launcher pid
+    EXIT = "exit_code"            # written once, when the supervisor ends
+    FAILURE = "failure.json"      # which node failed first, and how
+    RESTARTS = "restarts"         # restarts so far
+    RESTARTS_LOG = "restarts.log"
+    STOPPED = "stopped"           # an operator's stop: no restart
+    METRICS = "metrics.jsonl"     # one JSON object per logged step (train.run)
+    PORT = "master_port"
+    CODE = "code"
+    LOCK = ".launch.lock"         # in the run root: one launch at a time
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __truediv__(self, name):
+        return self.path / name
+
+
+def run(cmd, timeout=60, env=None):
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return r.returncode, r.stdout, r.stderr
+    except FileNotFoundError as e:
+        return 127, "", str(e)
+    except subprocess.TimeoutExpired:
+        return 124, "", f"timed out after {timeout} s"
+
+
+def port_free(port):
+    # SO_REUSEADDR as torch's TCPStore binds: a port in TIME_WAIT is free to it.
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("0.0.0.0", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def free_port(first, last):
+    return next((p for p in range(first, last + 1) if port_free(p)), None)
+
+
+def pid_alive(pid_file):
+    """The pid in the file if that process exists (EPERM: another user's process, alive)."""
+    try:
+        pid = int(Path(pid_file).read_text().strip())
+        os.kill(pid, 0)
+        return pid
+    except PermissionError:
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def active(run_root):
+    for pid_file in sorted(Path(run_root).glob(f"*/{RunDir.PID}")):
+        if pid_alive(pid_file):
+            return {"run_id": pid_file.parent.name, "run_dir": str(pid_file.parent)}
+    return {}
+
+
+def runs(run_root):
+    """The runs under the run root, newest first: id, started (a launcher log exists), active."""
+    out = []
+    try:
+        entries = list(os.scandir(run_root))
+    except OSError:
+        return out
+    for e in entries:
+        if not e.is_dir(follow_symlinks=False):
+            continue
+        d = RunDir(e.path)
+        out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,
+                    "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID))})
+    return sorted(out, key=lambda r: r["mtime"], reverse=True)
+
+
+def interfaces():
+    """{name: [ipv4 addresses]} from iproute2, else names only (addresses unknown: None)."""
+    rc, out, _ = run(["ip", "-o", "-4", "addr", "show"])
+    if rc == 0:
+        found = {name: [] for _, name in socket.if_nameindex()}
+        for line in out.splitlines():
+            m = re.match(r"^\d+:\s+(\S+)\s+inet\s+([\d.]+)/", line)
+            if m:
+                found.setdefault(m.group(1), []).append(m.group(2))
+        return found
+    return {name: None for _, name in socket.if_nameindex()}
+
+
+def gpus():
+    rc, out, _ = run(["nvidia-smi", "--query-gpu=index,compute_cap,driver_version",
+                      "--format=csv,noheader"], timeout=30)
+    if rc != 0:
+        return []
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    return [{"index": r[0], "compute_cap": r[1], "driver": r[2]} for r in rows if len(r) >= 3]
+
+
+def probe(argv):
+    """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
+    run_root = argv[argv.index("--run-root") + 1] if "--run-root" in argv else ""
+    ib = Path("/sys/class/infiniband")
+    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "gpus": gpus(),
+            "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
+            "runs": runs(run_root) if run_root else []}
+
+
+VERSIONS = r"""
+import json, platform, torch, deepspeed
+cuda = torch.cuda.is_available()
+print(json.dumps({"python": platform.python_version(), "torch": torch.__version__,
+                  "cuda": torch.version.cuda or "cpu", "deepspeed": deepspeed.__version__,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
+                  "torch_gpus": torch.cuda.device_count() if cuda else 0}))
+"""
+
+
+def versions(python, env):
+    if not os.access(python, os.X_OK):
+        return {"error": f"{python} does not exist"}
+    rc, out, err = run([python, "-c", VERSIONS], timeout=180, env=dict(os.environ, **env))
+    if rc != 0:
+        last = [line for line in err.strip().splitlines() if line.strip()][-1:] or [f"exit {rc}"]
+        return {"error": f"{python} cannot import torch and deepspeed: {last[0][:300]}"}
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def resolve(names):
+    out = {}
+    for name in names:
+        try:
+            out[name] = sorted({a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET)})
+        except OSError as e:
+            out[name] = [f"unresolved: {e.strerror or e}"]
+    return out
+
+
+def free_gib(path):
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path or "/")
+    return path, round(st.f_bavail * st.f_frsize / 2**30, 1)
+
+
+def firewall(first, last):
+    if shutil.which("ufw"):
+        rc, out, err = run(["ufw", "status"])
+        state = "active" if "Status: active" in out else "inactive" if rc == 0 else "unknown"
+        return {"tool": "ufw", "state": state, "master_rule": f"{first}:{last}/tcp" in out,
+                "detail": (out or err).strip().splitlines()[0:1]}
+    if shutil.which("firewall-cmd"):
+        rc, out, _ = run(["firewall-cmd", "--state"])
+        return {"tool": "firewalld", "state": "active" if out.strip() == "running" else "inactive",
+                "master_rule": None}
+    return {"tool": None, "state": "none", "master_rule": None}
+
+
+def check(a):
+    """Preflight's view of a node (the control node judges it: plugins/filter/preflight.py)."""
+    path, gib = free_gib(a["run_root"])
+    out = {
+        "hostname": socket.gethostname(),
+        "time": time.time(),
+        "cpus": os.cpu_count(),
+        "env_prefix_exists": os.path.isdir(a["env_prefix"]),
+        "versions": versions(a["python"], a.get("env", {})),
+        "resolve": resolve(a["names"]),
+        "disk": {"path": path, "free_gib": gib},
+        "interfaces": interfaces(),
+        "firewall": firewall(a["port_first"], a["port_last"]),
+        "iperf3": bool(shutil.which("iperf3")),
+        "code_dir_exists": os.path.isdir(a["code_dir"]) if a.get("code_dir") else None,
+    }
+    if a.get("master"):
+        out["port"] = {"wanted": a["port_first"], "wanted_free": port_free(a["port_first"]),
+                       "first_free": free_port(a["port_first"], a["port_last"])}
+        out["active_run"] = active(a["run_root"]).get("run_id")
+    return out
+
+
+def mesh(a):
+    """ssh to every node as DeepSpeed's runner and pdsh do (the training user's ssh config, no
+    prompt), and read each clock's offset against this one over the open session: the node
+    prints its time when a byte arrives, so the error is half a round trip on an established
+    connection (milliseconds), not the connection set-up."""
+    out = {}
+    for node in a["nodes"]:
+        cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "PasswordAuthentication=no",
+               node, "hostname; read x; date +%s.%N"]
+        try:
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, bufsize=1)
+        except OSError as e:
+            out[node] = {"ok": False, "error": str(e)}
+            continue
+        try:
+            hostname = p.stdout.readline().strip()
+            if not hostname:  # ssh failed before the command ran: report ssh's own error
+                p.wait(timeout=20)
+                err = p.stderr.read().strip().splitlines() or [f"exit {p.returncode}"]
+                out[node] = {"ok": False, "error": err[-1][:300]}
+                continue
+            t0 = time.time()
+            p.stdin.write("\n")
+            p.stdin.flush()
+            stamp = p.stdout.readline().strip()
+            t1 = time.time()
+            p.wait(timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            p.kill()
+            out[node] = {"ok": False, "error": f"ssh did not finish: {e}"}
+            continue
+        if p.returncode != 0 or not hostname or not stamp:
+            err = p.stderr.read().strip().splitlines() or [f"exit {p.returncode}"]
+            out[node] = {"ok": False, "error": err[-1][:300]}
+            continue
+        out[node] = {"ok": True, "hostname": hostname, "rtt_s": round(t1 - t0, 4),
+                     "offset_s": round(float(stamp) - (t0 + t1) / 2, 4)}
+    return out
+
+
+def listen(a):
+    """Hold the port the launch would take until every node connected to it (or time out)."""
+    port = a["port"]
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    s.listen(64)
+    s.settimeout(1.0)
+    seen, deadline = [], time.time() + a.get("seconds", 60)
+    while len(seen) < a["expect"] and time.time() < deadline:
+        try:
+            conn, peer = s.accept()
+        except socket.timeout:
+            continue
+        seen.append(peer[0])
+        conn.settimeout(2.0)
+        try:  # let the client close first, so TIME_WAIT stays on its side
+            conn.recv(1)
+        except OSError:
+            pass
+        conn.close()
+    s.close()
+    return {"port": port, "seen": seen}
+
+
+def connect(a):
+    deadline, last = time.time() + a.get("timeout", 5), "no attempt"
+    while time.time() < deadline:
+        try:
+            with socket.create_connection((a["host"], a["port"]), timeout=max(0.5, deadline - time.time())):
+                return {"ok": True, "msg": "connected"}
+        except socket.timeout:
+            last = f"timed out after {a.get('timeout', 5)} s (a firewall dropping packets?)"
+        except OSError as e:
+            last = e.strerror or str(e)
+            time.sleep(0.2)
+    return {"ok": False, "msg": last}
+
+
+# What the launchers print when a node's ranks end badly: launch.py on the node (pdsh prefixes its
+# lines with the node name), and pdsh itself when a node's ssh session ends non-zero (255: the
+# connection was lost, e.g. the node died).
+RANK_EXIT = re.compile(r"^(\S+): .*exits with return code = (-?\d+)")
+SSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+CAUSE_ORDER = {"signal": 0, "lost": 1, "exit": 2}
+ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code = [1-9]|"
+                        r"was not reachable|Address already in use)")
+
+
+def procs(run_id):
+    """Every process whose environment carries DSC_RUN_ID=run_id (launcher, pdsh, ranks)."""
+    marker = f"DSC_RUN_ID={run_id}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            if marker not in env:
+                continue
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        out.append({"pid": int(d.name), "cmd": cmd[:300]})
+    return out
+
+
+def is_rank(p):
+    return " -m deepspeed.launcher" not in p["cmd"] and "deepspeed.launcher.runner" not in p["cmd"] \
+        and "pdsh" not in p["cmd"] and "/bin/deepspeed" not in p["cmd"] and "dsc_node.py" not in p["cmd"] \
+        and ("python" in p["cmd"])
+
+
+def stop(run_id, grace, run_dir=None):
+    """Mark the run stopped (a supervisor then restarts nothing), TERM its processes, KILL what
+    is left after `grace` seconds; report what was found and what survived."""
+    if run_dir and os.path.isdir(run_dir):
+        write_atomic(RunDir(run_dir) / RunDir.STOPPED, "stopped\n")
+    found = procs(run_id)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs(run_id):
+            try:
+                os.kill(p["pid"], sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + (grace if sig == signal.SIGTERM else 5)
+        while time.time() < deadline and procs(run_id):
+            time.sleep(0.2)
+        if not procs(run_id):
+            break
+    left = procs(run_id)
+    return {"found": len(found), "left": len(left), "left_pids": [p["pid"] for p in left]}
+
+
+def first_error(log):
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                if ERROR_LINE.search(line) and "UserWarning" not in line:
+                    return line.strip()[:400]
+    except OSError:
+        pass
+    return None
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def status(run_dir, run_id):
+    run = RunDir(run_dir)
+    ps = procs(run_id)
+    launcher = pid_alive(run / RunDir.PID)
+    code = (run / RunDir.EXIT).read_text().strip() if (run / RunDir.EXIT).exists() else None
+    if launcher:
+        state = "running"
+    elif code == "0":
+        state = "finished"
+    elif (run / RunDir.STOPPED).exists():
+        state = "stopped"
+    elif code is not None:
+        state = "failed"
+    elif not (run / RunDir.LOG).exists():
+        state = "not started"
+    else:
+        state = "lost"  # launcher gone without an exit code (killed with the node)
+    last = None
+    metrics = run / RunDir.METRICS
+    if metrics.exists():
+        lines = metrics.read_text().strip().splitlines()
+        last = json.loads(lines[-1]) if lines else None
+    restarts = (run / RunDir.RESTARTS).read_text().strip() if (run / RunDir.RESTARTS).exists() else "0"
+    failure = read_json(run / RunDir.FAILURE)
+    error = None
+    if state in ("failed", "lost"):
+        error = first_error(run / RunDir.LOG)
+        if failure:
+            error = f"{failure['message']}; first error: {error}" if error else failure["message"]
+    return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
+            "launcher_pid": launcher, "ranks_alive": sum(1 for p in ps if is_rank(p)),
+            "processes": len(ps), "last": last, "restarts": int(restarts),
+            "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
+            "first_error": error}
+
+
+def failure_event(line):
+    """A node's failure as the launcher log shows it, or None."""
+    m = RANK_EXIT.match(line)
+    if m and m.group(2) != "0":
+        code = int(m.group(2))
+        return {"node": m.group(1), "code": code, "kind": "signal" if code < 0 else "exit",
+                "line": line.strip()[:400]}
+    m = SSH_EXIT.match(line)
+    if m:
+        code = int(m.group(2))
+        return {"node": m.group(1), "code": code, "kind": "lost" if code == 255 else "exit",
+                "line": line.strip()[:400]}
+    return None
+
+
+def describe(cause):
+    if cause["kind"] == "signal":
+        name = signal.Signals(-cause["code"]).name if -cause["code"] in signal.Signals._value2member_map_ else cause["code"]
+        return f"a rank on {cause['node']} was killed by {name}"
+    if cause["kind"] == "lost":
+        return f"the connection to {cause['node']} was lost (node down or sshd gone)"
+    return f"ranks on {cause['node']} exited with code {cause['code']}"
+
+
+def write_atomic(path, text):
+    """Readers (status, the playbooks) never see a half-written file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
+def teardown(run_id, hosts, run_dir=None):
+    """Stop every process of the run here and, through pdsh, on the other nodes (by the
+    DSC_RUN_ID marker each process carries, so orphans go too)."""
+    others = hosts[1:]
+    if others:
+        extra = ["--run-dir", run_dir] if run_dir else []
+        subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
+                        os.path.abspath(__file__), "stop", run_id, "--grace", "5"] + extra,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
+    return stop(run_id, 5.0, run_dir)
+
+
+def watch(child, run, run_id, hosts, grace=3.0):
+    """Wait for the launcher; when a node fails and the run has not ended grace seconds later
+    (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere."""
+    log = run / RunDir.LOG
+    pos = log.stat().st_size if log.exists() else 0
+    events, deadline, torn = [], None, None
+    while True:
+        code = child.poll()
+        with open(log, errors="replace") as f:
+            f.seek(pos)
+            chunk = f.read()
+        done = chunk.rfind("\n") + 1
+        pos += len(chunk[:done].encode(errors="replace"))
+        for line in chunk[:done].splitlines():
+            ev = failure_event(line)
+            if ev:
+                ev["time"] = time.time()
+                events.append(ev)
+        if code is not None:
+            break
+        if events and deadline is None:
+            deadline = time.time() + grace
+        if deadline and torn is None and time.time() >= deadline:
+            torn = {"started": time.time()}
+            child.terminate()  # DeepSpeed's runner relays it to pdsh and pkills its launchers
+            torn.update(teardown(run_id, hosts))
+            torn["done"] = time.time()
+        time.sleep(0.5)
+    cause = min(events, key=lambda e: (CAUSE_ORDER[e["kind"]], e["time"])) if events else None
+    return code, cause, torn
+
+
+def write_run(run_dir, spec, resume=False):
+    """The run's files and code, written by the training user on every node. A new run never
+    lands in a directory that a run already used (metrics and checkpoints would mix)."""
+    run = RunDir(run_dir)
+    if not resume and (run / RunDir.LOG).exists():
+        return {"ok": False, "error": f"{run_dir} already holds a run"}
+    (run / RunDir.CODE).mkdir(parents=True, exist_ok=True)
+    for name, text in spec.get("files", {}).items():
+        if "/" in name or name.startswith(".."):
+            return {"ok": False, "error": f"refused file name {name!r}"}
+        write_atomic(run / name, text)
+    if spec.get("code"):
+        dest = Path(spec["code_dest"])
+        dest.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(base64.b64decode(spec["code"])), mode="r:gz") as tar:
+            tar.extractall(dest, filter="data")
+    (run / RunDir.STOPPED).unlink(missing_ok=True)
+    return {"ok": True, "run_dir": run_dir}
+
+
+def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_restarts=0,
+          backoff=10.0):
+    """Under the run root's lock: refuse (or replace) an active run, take the first free master
+    port, then double-fork a supervisor into a new session so that it outlives the Ansible
+    connection; its pid is the run's launcher.pid until the run ends, restarts included."""
+    run = RunDir(run_dir)
+    lock = open(Path(run_root) / RunDir.LOCK, "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held until the new supervisor's pid is recorded
+    other = active(run_root)
+    if other and other["run_id"] != run_id:
+        if not replace:
+            print(json.dumps({"started": False, "active": other,
+                              "error": f"run {other['run_id']} is active"}))
+            return 4
+        teardown(other["run_id"], list(hosts), other["run_dir"])
+    port = free_port(*ports)
+    if port is None:
+        print(json.dumps({"started": False, "error": f"every master port from {ports[0]} to "
+                                                     f"{ports[1]} is in use"}))
+        return 3
+    write_atomic(run / RunDir.PORT, f"{port}\n")
+    cmd = [cmd[0], "--master_port", str(port)] + list(cmd[1:])
+    (run / RunDir.EXIT).unlink(missing_ok=True)
+    (run / RunDir.FAILURE).unlink(missing_ok=True)
+    if os.fork():
+        for _ in range(50):  # wait until the pid file exists
+            if (run / RunDir.PID).exists():
+                break
+            time.sleep(0.1)
+        print(json.dumps({"started": True, "pid": int((run / RunDir.PID).read_text()), "port": port,
+                          "replaced": other.get("run_id") if other else None}))
+        return 0
+    lock.close()
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    supervise(run, run_id, cmd, hosts, max_restarts, backoff)
+
+
+def supervise(run, run_id, cmd, hosts, max_restarts, backoff):
+    log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    (run / RunDir.PID).write_text(str(os.getpid()))
+    env = dict(os.environ, DSC_RUN_ID=run_id, DSC_RUN_DIR=str(run.path))
+    restarts_file = run / RunDir.RESTARTS
+    restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0
+    attempt = list(cmd)
+    while True:
+        child = subprocess.Popen(attempt, env=env, stdin=subprocess.DEVNULL)
+        (run / RunDir.CHILD).write_text(str(child.pid))
+        code, cause, torn = watch(child, run, run_id, list(hosts))
+        if cause:
+            write_atomic(run / RunDir.FAILURE, json.dumps(dict(
+                cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
+        if code == 0 or (run / RunDir.STOPPED).exists() or restarts >= max_restarts:
+            break
+        restarts += 1
+        wait = min(backoff * 2 ** (restarts - 1), 600.0)
+        restarts_file.write_text(f"{restarts}\n")
+        with open(run / RunDir.RESTARTS_LOG, "a") as f:
+            f.write(json.dumps({"restart": restarts, "time": time.time(), "after_exit_code": code,
+                                "cause": describe(cause) if cause else None, "backoff_s": wait}) + "\n")
+        print(f"[dsc_node] restart {restarts}/{max_restarts} in {wait:.0f} s from the latest "
+              f"complete checkpoint ({describe(cause) if cause else f'exit code {code}'})", flush=True)
+        teardown(run_id, list(hosts))  # nothing of the failed attempt may linger anywhere
+        time.sleep(wait)
+        if (run / RunDir.STOPPED).exists():
+            break
+        attempt = list(cmd) + ([] if "--resume" in cmd else ["--resume"])
+    write_atomic(run / RunDir.EXIT, f"{code}\n")
+    (run / RunDir.PID).unlink(missing_ok=True)
+    os._exit(0)
+
+
+def options(args, flags=(), valued=()):
+    """(positional, {option: value}) for the few options each command has."""
+    pos, opts, i = [], {}, 0
+    while i < len(args):
+        if args[i] in flags:
+            opts[args[i]] = True
+        elif args[i] in valued:
+            i += 1
+            opts[args[i - 1]] = args[i]
+        elif args[i] == "--ports":
+            opts["--ports"] = (int(args[i + 1]), int(args[i + 2]))
+            i += 2
+        else:
+            pos.append(args[i])
+        i += 1
+    return pos, opts
+
+
+JSON_COMMANDS = {"check": check, "mesh": mesh, "listen": listen, "connect": connect}
+
+
+def main(argv):
+    if not argv:
+        print(__doc__)
+        return 2
+    cmd, args = argv[0], argv[1:]
+    if cmd in JSON_COMMANDS:
+        print(json.dumps(JSON_COMMANDS[cmd](json.loads(os.environ.get("DSC_PREFLIGHT", "{}")))))
+    elif cmd == "probe":
+        print(json.dumps(probe(args)))
+    elif cmd == "write-run":
+        pos, opts = options(args, flags=("--resume",))
+        result = write_run(pos[0], json.load(sys.stdin), resume="--resume" in opts)
+        print(json.dumps(result))
+        return 0 if result["ok"] else 4
+    elif cmd == "start":
+        sep = args.index("--")
+        pos, opts = options(args[:sep], flags=("--replace",),
+                            valued=("--run-root", "--hosts", "--max-restarts", "--backoff"))
+        return start(pos[0], pos[1], args[sep + 1:], opts["--run-root"], opts["--ports"],
+                     replace="--replace" in opts,
+                     hosts=[h for h in opts.get("--hosts", "").split(",") if h],
+                     max_restarts=int(opts.get("--max-restarts", 0)),
+                     backoff=float(opts.get("--backoff", 10)))
+    elif cmd == "procs":
+        print(json.dumps(procs(args[0])))
+    elif cmd == "stop":
+        pos, opts = options(args, valued=("--grace", "--run-dir"))
+        print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"))))
+    elif cmd == "status":
+        print(json.dumps(status(args[0], args[1])))
+    elif cmd == "free-port":
+        port = free_port(int(args[0]), int(args[1]))
+        if port is None:
+            print(f"every master port from {args[0]} to {args[1]} is in use", file=sys.stderr)
+            return 3
+        print(port)
+    elif cmd == "active":
+        print(json.dumps(active(args[0])))
+    else:
+        print(__doc__)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

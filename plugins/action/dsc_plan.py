@@ -1,0 +1,78 @@
+"""Action `dsc_plan`: validate everything and derive the plan, once, on the control node.
+
+Run by roles/plan (run_once, registered as `dsc_plan` on every host of the play); the logic is in
+plugins/module_utils/dsc_plan.py. It reads each node's inventory values through hostvars, the
+nodes' probes (the `probe_var` each node registered), the run options from the play, and the
+defaults from roles/plan/meta/argument_specs.yml; it fails with every problem at once.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import yaml
+from ansible.plugins.action import ActionBase
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
+import dsc_plan  # noqa: E402  (plugins/module_utils/dsc_plan.py, pure Python)
+
+REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+SPEC = os.path.join(REPO, "roles", "plan", "meta", "argument_specs.yml")
+
+
+def spec_defaults(path=SPEC):
+    with open(path) as f:
+        options = yaml.safe_load(f)["argument_specs"]["main"]["options"]
+    return {name: opt.get("default") for name, opt in options.items()}
+
+
+def plain(value):
+    """Ansible's templated values (tagged str, dict, list) as plain JSON data."""
+    return json.loads(json.dumps(value, default=str))
+
+
+class ActionModule(ActionBase):
+    _requires_connection = False
+    TRANSFERS_FILES = False
+
+    def run(self, tmp=None, task_vars=None):
+        result = super().run(tmp, task_vars)
+        args = self._task.args
+        hostvars, groups = task_vars["hostvars"], task_vars["groups"]
+        probe_var = args.get("probe_var", "__plan_probe")
+        names = dsc_plan.node_order(groups)
+        inventory, probes, unreachable = {}, {}, []
+        for name in names:
+            hv = hostvars[name]
+            wanted = dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + ("ansible_host", "ansible_port")
+            inventory[name] = {var: plain(hv[var]) for var in wanted if var in hv}
+            probe = hv.get(probe_var) or {}
+            if probe.get("unreachable") or probe.get("failed") or "stdout" not in probe:
+                why = " ".join(str(probe.get("msg") or probe.get("stderr") or "no answer").split())
+                unreachable.append(f"host {name} could not be probed: {why[:300]}. Fix: check that "
+                                   f"Ansible reaches it (ansible -m ping {name}); every check of "
+                                   f"the cluster needs every node.")
+                continue
+            probes[name] = json.loads(probe["stdout"])
+        if unreachable:
+            return dict(result, failed=True, msg="\n".join(unreachable), errors=unreachable)
+        defaults = spec_defaults()
+        options = {k: plain(self._templar.template(task_vars[k]))
+                   for k in dsc_plan.RUN_OPTIONS if k in task_vars}
+        # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported
+        # by preflight itself), false (status, stop, logs: only which run).
+        run_kind = self._templar.template(args.get("run", False))
+        run_kind = run_kind if run_kind == "probe" else dsc_plan._bool(run_kind)
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        plan, errors = dsc_plan.make_plan(
+            inventory, {k: list(v) for k, v in groups.items()}, probes, defaults,
+            {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
+            full_run=run_kind in ("probe", True), refuse_active=run_kind is True)
+        if errors:
+            return dict(result, failed=True, errors=errors,
+                        msg=f"{len(errors)} problem(s), nothing was changed:\n" + "\n".join(errors))
+        result.update(plan)
+        result["changed"] = False
+        return result

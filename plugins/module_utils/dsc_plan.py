@@ -1,0 +1,697 @@
+"""The plan: the one place that validates the inventory and the run options and derives everything
+the roles apply. Pure Python (no Ansible import), so that every check is unit-tested in seconds:
+
+    python3 -m pytest tests/unit          # the checks, the batch arithmetic, the launcher command
+
+plugins/action/dsc_plan.py feeds it (each node's inventory values, what each node's probe saw,
+the run options) and hands the result to every later play as `dsc_plan`. Inputs:
+
+    hostvars  {node: {variable: value}}   inventory values as Ansible resolved them for that node
+                                          (unset ones absent: defaults come from `defaults`)
+    groups    {"cluster": [...], "master": [...]}
+    probes    {node: what `dsc_node.py probe` printed}: gpus, interfaces, infiniband, runs
+    defaults  {variable: default}         roles/plan/meta/argument_specs.yml's defaults
+    paths     {"repo": ..., "templates": ...} on the control node
+
+Every problem comes back at once, each naming the variable, the host and the fix; a value that
+must be the same on every node is reported once, not once per node.
+"""
+from __future__ import annotations
+
+import copy
+import ipaddress
+import json
+import os
+import posixpath
+import re
+from pathlib import Path
+
+CLUSTER_GROUP = "cluster"
+MASTER_GROUP = "master"
+ENV_MANAGERS = ("conda", "venv", "existing")
+LAUNCH_MODES = ("pdsh", "no_ssh")
+# CUDA variants and the package index each maps to (pytorch.org wheel indexes); "pypi" is the
+# node's own pip configuration (PyPI or a site mirror).
+TORCH_INDEXES = {
+    "cpu": "https://download.pytorch.org/whl/cpu",
+    "cu118": "https://download.pytorch.org/whl/cu118",
+    "cu121": "https://download.pytorch.org/whl/cu121",
+    "cu124": "https://download.pytorch.org/whl/cu124",
+    "cu126": "https://download.pytorch.org/whl/cu126",
+    "cu128": "https://download.pytorch.org/whl/cu128",
+    "cu129": "https://download.pytorch.org/whl/cu129",
+    "cu130": "https://download.pytorch.org/whl/cu130",
+    "pypi": "",
+}
+# Settings that must be the same on every node (the launcher runs the master's paths everywhere).
+CLUSTER_SETTINGS = (
+    "dsc_cluster_name", "dsc_env_manager", "dsc_install_root", "dsc_run_root",
+    "dsc_python_version", "dsc_torch_version", "dsc_torch_variant", "dsc_deepspeed_version",
+    "dsc_train_user", "dsc_wheelhouse", "dsc_master_port", "dsc_master_port_last",
+    "dsc_conda_env_name", "dsc_conda_installer_file", "dsc_conda_installer_sha256",
+    "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
+    "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
+)
+# Settings of one node.
+NODE_SETTINGS = ("dsc_addr", "dsc_slots", "dsc_ssh_port")
+# Options of one run (launch, resume, status, stop, logs): -e values or the playbook's vars.
+RUN_OPTIONS = (
+    "preset", "run_id", "resume", "replace", "dry_run", "follow", "max_restarts",
+    "restart_backoff_s", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch",
+    "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
+    "dsc_entry_script", "dsc_entry_args", "dsc_train_config",
+)
+HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
+# Values DeepSpeed's runner puts on the remote command line unquoted; anything else it
+# double-quotes, where $() and backticks still expand: refused.
+DS_ENV_SAFE = re.compile(r"^[\w@%+=:,./-]*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SECRET_NAME = re.compile(r"(?i)(pass|secret|token|key|credential)")
+EXACT_VERSION = re.compile(r"^\d+(\.\d+)+([a-z0-9.+-]*)$")
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
+HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
+NODE_HELPER = "/usr/local/lib/dscluster/dsc_node.py"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# fp16 with dynamic loss scaling, for GPUs without bf16 (compute capability below 8.0).
+FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+        "hysteresis": 2, "min_loss_scale": 1}
+
+
+class Problems:
+    """Error messages, in order, each once."""
+
+    def __init__(self):
+        self.messages = []
+
+    def add(self, message):
+        if message not in self.messages:
+            self.messages.append(message)
+
+
+def shown(value):
+    """A value as a message shows it: numbers plain (-e gives them as strings), the rest quoted."""
+    return str(int(value)) if _is_int(value) else repr(value)
+
+
+def _is_int(value):
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, str) and value.strip().lstrip("-").isdigit())
+
+
+def _bool(value):
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def node_order(groups):
+    """Inventory order, the `master` group's first node moved to the front: host order is
+    DeepSpeed's node rank order."""
+    nodes = list(dict.fromkeys(groups.get(CLUSTER_GROUP) or []))
+    masters = [h for h in groups.get(MASTER_GROUP) or [] if h in nodes]
+    if masters:
+        nodes.remove(masters[0])
+        nodes.insert(0, masters[0])
+    return nodes
+
+
+def setting(hostvars, defaults, node, name):
+    value = (hostvars.get(node) or {}).get(name)
+    return defaults.get(name) if value is None else value
+
+
+def _cluster_settings(hostvars, defaults, names, problems):
+    """{name: value} of the cluster-wide settings; a value that differs between nodes is an error."""
+    values = {}
+    for var in CLUSTER_SETTINGS:
+        by_value = {}
+        for node in names:
+            value = setting(hostvars, defaults, node, var)
+            by_value.setdefault(json.dumps(value, sort_keys=True, default=str), []).append(node)
+        if len(by_value) > 1:
+            detail = "; ".join(f"{v} on {', '.join(h)}" for v, h in by_value.items())
+            problems.add(f"{var} differs between nodes ({detail}). Fix: set it once for the group "
+                         f"'{CLUSTER_GROUP}' (group_vars), not per host: the launcher runs the "
+                         f"master's paths and settings on every node.")
+        values[var] = setting(hostvars, defaults, names[0], var)
+    return values
+
+
+def _abs_path(problems, var, value, example, where):
+    value = str(value)
+    if not posixpath.isabs(value):
+        problems.add(f"{var} {where} is {value!r}, not an absolute path. Fix: an absolute path "
+                     f"such as {example}, the same on every node.")
+    elif not SAFE_PATH.match(value) or "/../" in value + "/" or "/./" in value + "/":
+        problems.add(f"{var} {where} is {value!r}. Fix: an absolute path of letters, digits and "
+                     f"'._-+@/' only, without '..' (it reaches commands run as root).")
+
+
+def _check_settings(s, first, problems, check_dir):
+    """What a type can't say about the cluster-wide settings. `first` names the host whose value
+    is shown (they agree, or a 'differs' message came already)."""
+    where = f"on host {first}"
+    if s["dsc_env_manager"] not in ENV_MANAGERS:
+        problems.add(f"dsc_env_manager {where} is {s['dsc_env_manager']!r}. Fix: one of "
+                     f"{', '.join(ENV_MANAGERS)}.")
+    _abs_path(problems, "dsc_install_root", s["dsc_install_root"], "/opt/dscluster", where)
+    if s["dsc_run_root"]:
+        _abs_path(problems, "dsc_run_root", s["dsc_run_root"], "/opt/dscluster/runs", where)
+    for var, example in (("dsc_torch_version", "2.13.0"), ("dsc_deepspeed_version", "0.19.8")):
+        if not EXACT_VERSION.match(str(s[var])):
+            problems.add(f"{var} {where} is {str(s[var])!r}, not an exact version. Fix: pin one "
+                         f"release, e.g. {example!r}: the same on every node, no range.")
+    if not re.fullmatch(r"3\.\d+(\.\d+)?", str(s["dsc_python_version"])):
+        problems.add(f"dsc_python_version {where} is {str(s['dsc_python_version'])!r}. Fix: a "
+                     f"Python 3 version such as '3.11' (quoted in YAML).")
+    user = str(s["dsc_train_user"])
+    if user == "root" or not USER_NAME.match(user):
+        problems.add(f"dsc_train_user {where} is {user!r}. Fix: a non-root user name (lower "
+                     f"case, e.g. dstrain): ranks must not run as root.")
+    cname = str(s["dsc_cluster_name"])
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", cname) or cname in (".", ".."):
+        problems.add(f"dsc_cluster_name {where} is {cname!r}. Fix: letters, digits, '.', '_' and "
+                     f"'-' only (it names key and report files).")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(s["dsc_conda_env_name"])):
+        problems.add(f"dsc_conda_env_name {where} is {s['dsc_conda_env_name']!r}. Fix: letters, "
+                     f"digits, '.', '_' and '-' only.")
+    if s["dsc_torch_variant"] not in TORCH_INDEXES:
+        problems.add(f"dsc_torch_variant {where} is {s['dsc_torch_variant']!r}. Fix: one of "
+                     f"{', '.join(TORCH_INDEXES)}.")
+    if s["dsc_env_manager"] == "conda" and not s["dsc_conda_installer_file"] \
+            and not s["dsc_conda_installer_sha256"]:
+        problems.add(f"dsc_conda_installer_sha256 {where} is empty. Fix: set the sha256 of the "
+                     f"Miniconda installer named by dsc_conda_installer_url (published beside it "
+                     f"on repo.anaconda.com), or give dsc_conda_installer_file.")
+    if s["dsc_env_manager"] == "existing":
+        py = str(s["dsc_existing_python"] or "")
+        if not posixpath.isabs(py):
+            problems.add(f"dsc_existing_python {where} is {py!r}. Fix: the absolute path of the "
+                         f"interpreter already on the node, e.g. /opt/torch/.venv/bin/python.")
+        else:
+            _abs_path(problems, "dsc_existing_python", py, "/opt/torch/.venv/bin/python", where)
+    wheelhouse = str(s["dsc_wheelhouse"] or "")
+    if wheelhouse and check_dir is not None and not check_dir(wheelhouse):
+        problems.add(f"dsc_wheelhouse {where} is {wheelhouse!r}, which does not exist on the "
+                     f"control node. Fix: build it (scripts/wheelhouse.sh) or point it at a "
+                     f"directory of wheels.")
+    first_port, last_port = s["dsc_master_port"], s["dsc_master_port_last"]
+    if not _is_int(first_port) or not 1024 <= int(first_port) < 65536:
+        problems.add(f"dsc_master_port {where} is {shown(first_port)}. Fix: a TCP port 1024-65535.")
+    elif not _is_int(last_port) or not int(first_port) <= int(last_port) < 65536:
+        problems.add(f"dsc_master_port_last {where} is {shown(last_port)}. Fix: a port from "
+                     f"dsc_master_port ({first_port}) to 65535; the range is tried in order.")
+    if s["dsc_launch_mode"] not in LAUNCH_MODES:
+        problems.add(f"dsc_launch_mode {where} is {s['dsc_launch_mode']!r}. Fix: one of "
+                     f"{', '.join(LAUNCH_MODES)}.")
+    if not _is_int(s["dsc_pg_timeout_min"]) or int(s["dsc_pg_timeout_min"]) <= 0:
+        problems.add(f"dsc_pg_timeout_min {where} is {s['dsc_pg_timeout_min']!r}. Fix: minutes, "
+                     f"a positive whole number.")
+    env = s["dsc_rank_env"]
+    if not isinstance(env, dict):
+        problems.add(f"dsc_rank_env {where} is {env!r}. Fix: a mapping of variable names to "
+                     f"values, e.g. {{NCCL_IB_HCA: mlx5}}.")
+    else:
+        for key, value in env.items():
+            check_env_var(problems, key, value, f"dsc_rank_env {where}")
+
+
+def check_env_var(problems, key, value, where):
+    if not ENV_NAME.match(str(key)):
+        problems.add(f"{where}: {key!r} is not a plain variable name. Fix: letters, digits and "
+                     f"'_', not starting with a digit.")
+    elif SECRET_NAME.search(str(key)):
+        problems.add(f"{where}: {key} looks like a secret. Fix: keep secrets out of the ranks' "
+                     f"environment file (its values land on every node's command line).")
+    if not DS_ENV_SAFE.match(str(value)):
+        problems.add(f"{where}: the value of {key} is {str(value)!r}. Fix: letters, digits and "
+                     f"'@%+=:,./-_' only (DeepSpeed's runner puts it on a shell command line).")
+
+
+def _nodes(names, hostvars, defaults, probes, problems):
+    nodes, seen_addr = [], {}
+    for rank, name in enumerate(names):
+        hv = hostvars.get(name) or {}
+        probe = probes.get(name) or {}
+        gpus = probe.get("gpus") or []
+        if not HOST_NAME.match(name):
+            problems.add(f"inventory: host name {name!r}. Fix: letters, digits, '.' and '-' only "
+                         f"(it goes into the hostfile, /etc/hosts and ssh's config).")
+        addr = str(hv.get("dsc_addr") or hv.get("ansible_host") or name)
+        try:
+            addr = str(ipaddress.ip_address(addr))
+        except ValueError:
+            if re.fullmatch(r"[0-9.]+", addr) or not HOST_NAME.match(addr):
+                problems.add(f"dsc_addr on host {name} is {addr!r}, not an IPv4 address. Fix: the "
+                             f"node's address on the training network, e.g. 10.0.0.11.")
+        if addr in seen_addr:
+            problems.add(f"dsc_addr on host {name} is {addr}, the same as on host "
+                         f"{seen_addr[addr]}. Fix: give each node its own training-network "
+                         f"address.")
+        seen_addr.setdefault(addr, name)
+        slots = setting(hostvars, defaults, name, "dsc_slots")
+        if str(slots) == "auto":
+            if not gpus:
+                problems.add(f"dsc_slots on host {name} is 'auto' but nvidia-smi found no GPU "
+                             f"there. Fix: set dsc_slots to the rank count for a CPU-only node.")
+            slots = len(gpus)
+        elif not _is_int(slots) or int(slots) <= 0:
+            problems.add(f"dsc_slots on host {name} is {shown(slots)}. Fix: a positive number of GPUs "
+                         f"(or of ranks on a CPU-only node), or 'auto' to detect GPUs with "
+                         f"nvidia-smi.")
+            slots = 0
+        port = hv.get("dsc_ssh_port", hv.get("ansible_port", 22))
+        if not _is_int(port) or not 0 < int(port) < 65536:
+            problems.add(f"dsc_ssh_port on host {name} is {shown(port)}. Fix: a TCP port 1-65535.")
+            port = 22
+        nodes.append({
+            "name": name, "rank": rank, "addr": addr, "slots": int(slots), "ssh_port": int(port),
+            "gpus": len(gpus),
+            "compute_caps": sorted({str(g.get("compute_cap", "")) for g in gpus} - {""}),
+            "driver": (gpus[0].get("driver") if gpus else "") or "",
+            "iface": interface_for(addr, probe.get("interfaces") or {}),
+            "infiniband": bool(probe.get("infiniband")),
+        })
+    return nodes
+
+
+def interface_for(addr, interfaces):
+    """The interface holding the address (loopback for 127.x where none is reported: gVisor)."""
+    holding = sorted(n for n, addrs in interfaces.items() if addr in (addrs or []))
+    if holding:
+        return holding[0]
+    return "lo" if addr.startswith("127.") else ""
+
+
+def _env_paths(s, install_root):
+    manager = s["dsc_env_manager"]
+    prefix = {"venv": f"{install_root}/env",
+              "conda": f"{install_root}/miniconda/envs/{s['dsc_conda_env_name']}",
+              "existing": posixpath.dirname(posixpath.dirname(str(s["dsc_existing_python"] or "")))
+              }.get(manager, "")
+    python = str(s["dsc_existing_python"]) if manager == "existing" else f"{prefix}/bin/python"
+    return prefix, python
+
+
+def batch(micro, accum, total, world):
+    """train_batch = micro x accum x world: derive what is missing (0 = not given), check the rest."""
+    try:
+        micro, accum, total, world = int(micro or 0), int(accum or 0), int(total or 0), int(world)
+    except (TypeError, ValueError):
+        return {"error": f"batch settings must be whole numbers (dsc_micro_batch={micro!r}, "
+                         f"dsc_grad_accum={accum!r}, dsc_train_batch={total!r}). Fix: numbers, "
+                         f"0 for 'derive it'."}
+    where = (f"(dsc_micro_batch={micro}, dsc_grad_accum={accum}, dsc_train_batch={total}, "
+             f"world size {world}; 0 means not given)")
+    if world <= 0:
+        return {"error": f"world size is {world}: no slots in the cluster"}
+    if micro < 0 or accum < 0 or total < 0:
+        return {"error": f"batch settings cannot be negative {where}. Fix: positive numbers, or 0 "
+                         f"to derive one."}
+    if micro and accum and total:
+        if micro * accum * world != total:
+            return {"error": f"batch settings disagree: {micro} x {accum} x {world} = "
+                             f"{micro * accum * world}, not {total} {where}. Fix: give any two."}
+    elif micro and total:
+        accum, rem = divmod(total, micro * world)
+        if rem or not accum:
+            return {"error": f"dsc_train_batch {total} is not a multiple of micro-batch x world "
+                             f"size = {micro * world} {where}. Fix: a multiple of it."}
+    elif accum and total:
+        micro, rem = divmod(total, accum * world)
+        if rem or not micro:
+            return {"error": f"dsc_train_batch {total} is not a multiple of grad-accum x world "
+                             f"size = {accum * world} {where}. Fix: a multiple of it."}
+    elif micro:
+        accum = accum or 1
+    else:
+        return {"error": f"no micro-batch {where}. Fix: set dsc_micro_batch to a positive number "
+                         f"(and optionally one of dsc_grad_accum, dsc_train_batch)."}
+    return {"micro_batch": micro, "grad_accum": accum, "train_batch": micro * accum * world}
+
+
+def presets(templates_dir):
+    """{name: ds_config fragment}: every templates/ds_config/<name>.json but the base."""
+    folder = Path(templates_dir) / "ds_config"
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))
+            if not p.stem.startswith("_")}
+
+
+def merge(base, top):
+    """Deep merge: mappings merge key by key, anything else in `top` replaces."""
+    out = copy.deepcopy(base)
+    for key, value in (top or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def precision(accelerator, compute_caps):
+    """bf16 from compute capability 8.0 (Ampere) up, fp16 with loss scaling below, fp32 on CPU."""
+    if accelerator == "cpu":
+        return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    if min((float(c) for c in compute_caps), default=0.0) >= 8.0:
+        return {"bf16": {"enabled": True}, "fp16": {"enabled": False}}
+    return {"bf16": {"enabled": False}, "fp16": dict(FP16)}
+
+
+def ds_config(templates_dir, preset, accelerator, compute_caps, sizes, overrides):
+    base = json.loads((Path(templates_dir) / "ds_config" / "_base.json").read_text())
+    cfg = merge(merge(base, presets(templates_dir)[preset]), precision(accelerator, compute_caps))
+    cfg = merge(cfg, {"train_micro_batch_size_per_gpu": sizes["micro_batch"],
+                      "gradient_accumulation_steps": sizes["grad_accum"],
+                      "train_batch_size": sizes["train_batch"]})
+    return merge(cfg, overrides)
+
+
+def parse_hostfile(text):
+    """Parse a hostfile exactly as deepspeed.launcher.runner.fetch_hostfile does; raise on error."""
+    hosts = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = HOSTFILE_LINE.match(line)
+        if not m:
+            raise ValueError(f"Hostfile contains a bad entry: {line}")
+        host, slots = m.group(1), int(m.group(2))
+        if host in (h for h, _ in hosts):
+            raise ValueError(f"Hostfile contains multiple entries for {host}")
+        hosts.append((host, slots))
+    if not hosts:
+        raise ValueError("Hostfile is empty or not formatted correctly")
+    return hosts
+
+
+def parse_ds_env(text):
+    """Parse .deepspeed_env as DeepSpeed's runner does (split on the first '='); raise on lines
+    it would crash on or mangle."""
+    env = {}
+    lines = text.split("\n")
+    for n, line in enumerate(lines, 1):
+        if line == "" and n == len(lines):
+            continue  # the final newline
+        if "=" not in line:
+            raise ValueError(f".deepspeed_env line {n} has no '=' (blank or comment lines crash "
+                             f"the launcher): {line!r}")
+        key, val = line.split("=", 1)
+        if not ENV_NAME.match(key):
+            raise ValueError(f".deepspeed_env line {n}: {key!r} is not a plain variable name")
+        env[key] = val
+    return env
+
+
+def render(templates_dir, name, **values):
+    """Render templates/<name> (the files users may edit) with Jinja2, as Ansible would."""
+    import jinja2  # the control node has it (Ansible needs it); nodes never import this module
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir)),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             keep_trailing_newline=True)
+    return env.get_template(name).render(**values)
+
+
+def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True):
+    """The run's part of the plan: id, directory, ds_config, files and the launcher command."""
+    opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
+    opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
+    resume = _bool(opt["resume"])
+    known = presets(paths["templates"])
+    preset = str(opt["preset"])
+    if preset not in known:
+        problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
+                     f"templates/ds_config/{preset}.json).")
+    run_id = str(opt["run_id"] or "")
+    if not run_id and resume:
+        run_id = runs_seen[0]["id"] if runs_seen else ""
+        if not run_id:
+            problems.add(f"run_id: no run to resume under {plan['run_root']} on "
+                         f"{plan['master']}. Fix: pass -e run_id=ID of an earlier run.")
+    if not run_id:
+        run_id = f"{preset}-{now}"
+    if not RUN_ID.match(run_id) or run_id in (".", ".."):
+        problems.add(f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and '-', "
+                     f"starting with a letter or digit (it names a directory on every node).")
+    for var in ("max_restarts", "restart_backoff_s"):
+        if not _is_int(opt[var]) or int(opt[var]) < 0:
+            problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
+    entry_args = opt["dsc_entry_args"]
+    if not isinstance(entry_args, list):
+        problems.add(f"dsc_entry_args is {entry_args!r}. Fix: a list of arguments, e.g. "
+                     f"['--set', 'steps=100'].")
+        entry_args = []
+    entry_args = [str(a) for a in entry_args]
+    for arg in entry_args:
+        if not DS_ENV_SAFE.match(arg):
+            problems.add(f"dsc_entry_args holds {arg!r}. Fix: letters, digits and "
+                         f"'@%+=:,./-_' only (the pdsh launcher passes arguments through a "
+                         f"shell on every node).")
+    module, script = str(opt["dsc_entry_module"] or ""), str(opt["dsc_entry_script"] or "")
+    if script and (posixpath.isabs(script) or ".." in script.split("/")
+                   or not re.fullmatch(r"[A-Za-z0-9._/-]+", script)):
+        problems.add(f"dsc_entry_script is {script!r}. Fix: a path relative to dsc_code_dir, "
+                     f"e.g. train.py or scripts/train.py.")
+    if not script and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module):
+        problems.add(f"dsc_entry_module is {module!r}. Fix: a Python module name such as "
+                     f"train.run, or set dsc_entry_script.")
+    code_shared = _bool(opt["dsc_code_shared"])
+    code_dir = str(opt["dsc_code_dir"] or "") or str(Path(paths["repo"]) / "train")
+    if code_shared:
+        _abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)")
+    elif not os.path.isdir(code_dir):
+        problems.add(f"dsc_code_dir is {code_dir!r}, which is not a directory on the control "
+                     f"node. Fix: the directory that holds your training code.")
+    elif script and not os.path.isfile(os.path.join(code_dir, script)):
+        problems.add(f"dsc_entry_script is {script!r}, which is not in dsc_code_dir "
+                     f"({code_dir}). Fix: a path relative to that directory.")
+    overrides = opt["dsc_ds_config_overrides"] or {}
+    if not isinstance(overrides, dict):
+        problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
+                     f"config keys, e.g. {{zero_optimization: {{stage: 1}}}}.")
+        overrides = {}
+    sizes = {}
+    if plan["world_size"] is not None:  # None: the nodes' own problems come first
+        sizes = batch(opt["dsc_micro_batch"], opt["dsc_grad_accum"], opt["dsc_train_batch"],
+                      plan["world_size"])
+        if "error" in sizes:
+            problems.add(sizes["error"])
+    seen = {r["id"]: r for r in runs_seen}
+    active = [r["id"] for r in runs_seen if r.get("active")]
+    if refuse_active and active and active[0] != run_id and not _bool(opt["replace"]) \
+            and not _bool(opt["dry_run"]):
+        problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "
+                     f"(ansible-playbook stop.yml -e run_id={active[0]}), or launch with "
+                     f"-e replace=true to stop and replace it.")
+    if resume and run_id not in seen and run_id:
+        problems.add(f"run_id {run_id!r}: no such run under {plan['run_root']} on "
+                     f"{plan['master']} to resume. Fix: the id of an earlier run "
+                     f"({', '.join(list(seen)[:5]) or 'none there'}).")
+    elif not resume and seen.get(run_id, {}).get("started"):
+        problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} already holds a run (its "
+                     f"metrics and checkpoints would mix with a new run's). Fix: resume it "
+                     f"(ansible-playbook resume.yml -e run_id={run_id}) or launch with another "
+                     f"run_id.")
+    archive = ""
+    if not code_shared and not resume and os.path.isdir(code_dir):
+        try:
+            archive = code_archive(code_dir)
+        except ValueError as e:
+            problems.add(str(e))
+    if problems.messages:
+        return None
+    run_dir = f"{plan['run_root']}/{run_id}"
+    config = ds_config(paths["templates"], preset, plan["accelerator"],
+                       [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides)
+    # The code lands in <run_dir>/code; a package entry (train.run from train/) keeps its folder
+    # name so that `python -m train.run` finds it.
+    code_base = os.path.basename(os.path.normpath(code_dir))
+    package_dir = not script and module.split(".")[0] == code_base
+    workdir = code_dir if code_shared else f"{run_dir}/code"
+    env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
+    launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
+                "--hostfile", f"{run_dir}/hostfile", "--master_addr", plan["master_addr"]]
+    if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
+        launcher += ["--ssh_port", str(plan["ssh_ports"][0])]
+    if plan["num_nodes"] == 1:
+        launcher += ["--no_ssh_check"]
+    program = ([script] if script else ["--module", module]) \
+        + ["--deepspeed_config", f"{run_dir}/ds_config.json"] \
+        + (["--config", f"{run_dir}/train.json"] if module == "train.run" and not script else []) \
+        + entry_args + (["--resume"] if resume else [])
+    hostfile = render(paths["templates"], "hostfile.j2", nodes=plan["nodes"])
+    env_text = render(paths["templates"], "deepspeed_env.j2", env=env)
+    try:
+        if len(parse_hostfile(hostfile)) != plan["num_nodes"]:
+            problems.add("templates/hostfile.j2 renders a node count other than the cluster's. "
+                         "Fix: one line per node in dsc_plan.nodes.")
+        if parse_ds_env(env_text) != {k: str(v) for k, v in env.items() if str(v) != ""}:
+            problems.add("templates/deepspeed_env.j2 renders another environment than the plan's. "
+                         "Fix: one KEY=VALUE line per variable, nothing else.")
+    except ValueError as e:
+        problems.add(f"a rendered template breaks DeepSpeed's parser: {e}. Fix: restore "
+                     f"templates/hostfile.j2 or templates/deepspeed_env.j2.")
+    commands = {}
+    for node in plan["nodes"]:
+        if s["dsc_launch_mode"] == "no_ssh":
+            commands[node["name"]] = launcher + ["--no_ssh", "--node_rank", str(node["rank"])] + program
+        elif node["rank"] == 0:
+            commands[node["name"]] = launcher + program
+    return {
+        "id": run_id, "dir": run_dir, "preset": preset, "resume": resume,
+        "replace": _bool(opt["replace"]), "dry_run": _bool(opt["dry_run"]),
+        "follow": _bool(opt["follow"]), "max_restarts": int(opt["max_restarts"]),
+        "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
+        "ds_config": config, "code_dir": code_dir, "code_shared": code_shared,
+        "code_dest": f"{run_dir}/code/{code_base}" if package_dir else f"{run_dir}/code",
+        "workdir": workdir, "env": env, "commands": commands, "code_archive": archive,
+        # Written into the run directory on every node (name -> text).
+        "files": {
+            "ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n",
+            "hostfile": hostfile,
+            "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
+            "run_id": run_id + "\n",
+            ".deepspeed_env": env_text,
+        },
+    }
+
+
+def run_reference(run_id, runs, run_root):
+    """The run that status, stop and logs act on: run_id if given, else the active run, else the
+    newest; (id, dir, problem)."""
+    if run_id:
+        if not RUN_ID.match(run_id) or run_id in (".", ".."):
+            return None, None, (f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and "
+                                f"'-', starting with a letter or digit.")
+    else:
+        chosen = [r for r in runs if r.get("active")] or runs
+        run_id = chosen[0]["id"] if chosen else ""
+    return (run_id or None), (f"{run_root}/{run_id}" if run_id else None), None
+
+
+def code_archive(code_dir, limit=64 * 2**20):
+    """The code directory as base64 of a tar.gz (caches and VCS folders left out), or raise."""
+    import base64
+    import io
+    import tarfile
+
+    def keep(info):
+        parts = info.name.split("/")
+        if any(p in ("__pycache__", ".git", ".ipynb_checkpoints") for p in parts) or info.name.endswith(".pyc"):
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(code_dir, arcname=".", filter=keep)
+    if buf.tell() > limit:
+        raise ValueError(f"dsc_code_dir {code_dir} packs to {buf.tell() / 2**20:.0f} MiB, more than "
+                         f"{limit / 2**20:.0f} MiB. Fix: keep data and checkpoints out of the code "
+                         f"directory, or put it on a shared filesystem (dsc_code_shared: true).")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
+              check_dir=os.path.isdir, full_run=False, refuse_active=True):
+    """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
+    are the run options; `full_run` (launch, resume) derives the whole run, else only which run
+    status, stop and logs act on."""
+    problems = Problems()
+    names = node_order(groups)
+    if not names:
+        return None, [f"inventory: the group '{CLUSTER_GROUP}' is empty or missing. Fix: list "
+                      f"your nodes under 'all: children: {CLUSTER_GROUP}: hosts:' (see "
+                      f"inventory/example/hosts.yml), and check the -i path."]
+    s = _cluster_settings(hostvars, defaults, names, problems)
+    _check_settings(s, names[0], problems, check_dir)
+    nodes = _nodes(names, hostvars, defaults, probes, problems)
+    for node in nodes:
+        if not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}):
+            seen = ", ".join(a for addrs in ((probes.get(node["name"]) or {}).get("interfaces")
+                                             or {}).values() for a in addrs or [])
+            problems.add(f"dsc_addr on host {node['name']} is {node['addr']}, which no interface "
+                         f"there holds. Fix: set dsc_addr to an address of this node ({seen}).")
+    if problems.messages:
+        if full_run:  # the run options' own problems too, all at once
+            partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
+                       "master": names[0], "world_size": None}
+            runs = (probes.get(names[0]) or {}).get("runs") or []
+            _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active)
+        return None, problems.messages
+
+    install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
+    prefix, python = _env_paths(s, install_root)
+    cache_dir = f"{install_root}/cache"
+    accelerator = "cuda" if all(n["gpus"] > 0 for n in nodes) else "cpu"
+    caps = sorted({c for n in nodes for c in n["compute_caps"]})
+    # The environment every DeepSpeed process on a node needs (op builds, probes, ranks): the
+    # env's PATH, the accelerator, node-local caches (JIT builds race on a shared filesystem),
+    # and the arch list read from the GPUs (an image's "9.0a" breaks DeepSpeed's op builder).
+    node_env = {"PATH": f"{prefix}/bin:{SYSTEM_PATH}", "DS_ACCELERATOR": accelerator,
+                "TORCH_EXTENSIONS_DIR": f"{cache_dir}/torch_extensions",
+                "TRITON_CACHE_DIR": f"{cache_dir}/triton"}
+    if caps:
+        node_env["TORCH_CUDA_ARCH_LIST"] = ";".join(caps)
+    ifaces = ",".join(dict.fromkeys(n["iface"] for n in nodes))
+    rank_env = dict(node_env, NCCL_SOCKET_IFNAME=ifaces, GLOO_SOCKET_IFNAME=ifaces,
+                    NCCL_IB_DISABLE="0" if all(n["infiniband"] for n in nodes) else "1",
+                    NCCL_DEBUG=str(s["dsc_nccl_debug"]),
+                    DEEPSPEED_TIMEOUT=str(s["dsc_pg_timeout_min"]))
+    rank_env.update({str(k): str(v) for k, v in (s["dsc_rank_env"] or {}).items()})
+    manager = s["dsc_env_manager"]
+    wheelhouse = str(s["dsc_wheelhouse"] or "")
+    plan = {
+        "cluster_name": str(s["dsc_cluster_name"]),
+        "nodes": nodes, "node": {n["name"]: n for n in nodes},
+        "node_names": [n["name"] for n in nodes], "addrs": [n["addr"] for n in nodes],
+        "master": nodes[0]["name"], "master_addr": nodes[0]["addr"], "num_nodes": len(nodes),
+        "world_size": sum(n["slots"] for n in nodes),
+        "ssh_ports": sorted({n["ssh_port"] for n in nodes}),
+        "accelerator": accelerator, "cuda_arch_list": ";".join(caps),
+        "env_manager": manager, "install_root": install_root,
+        "run_root": str(s["dsc_run_root"] or f"{install_root}/runs").rstrip("/"),
+        "cache_dir": cache_dir, "torch_extensions_dir": node_env["TORCH_EXTENSIONS_DIR"],
+        "env_prefix": prefix, "python": python,
+        # pip of the env; empty for an existing interpreter, which may have no pip script
+        # (uv-made venvs): the pip tasks then use that interpreter's pip module.
+        "pip": "" if manager == "existing" else f"{prefix}/bin/pip",
+        # Who owns the env and so runs pip in it.
+        "env_owner": "root" if manager == "existing" else str(s["dsc_train_user"]),
+        "install_packages": manager != "existing" or _bool(s["dsc_existing_install"]),
+        "manage_packages": _bool(s["dsc_manage_packages"]),
+        "train_user": str(s["dsc_train_user"]),
+        "python_version": str(s["dsc_python_version"]),
+        "torch_version": str(s["dsc_torch_version"]),
+        "torch_variant": str(s["dsc_torch_variant"]),
+        "torch_index": TORCH_INDEXES.get(s["dsc_torch_variant"], ""),
+        "deepspeed_version": str(s["dsc_deepspeed_version"]),
+        "conda_env_name": str(s["dsc_conda_env_name"]),
+        "conda_installer_file": str(s["dsc_conda_installer_file"] or ""),
+        "conda_installer_sha256": str(s["dsc_conda_installer_sha256"] or ""),
+        "wheelhouse": wheelhouse, "node_wheelhouse": f"{install_root}/wheelhouse",
+        "pip_source_args": (f"--no-index --find-links {install_root}/wheelhouse" if wheelhouse
+                            else f"--index-url {TORCH_INDEXES[s['dsc_torch_variant']]}"
+                            if TORCH_INDEXES.get(s["dsc_torch_variant"]) else ""),
+        "master_port_first": int(s["dsc_master_port"]),
+        "master_port_last": int(s["dsc_master_port_last"]),
+        "launch_mode": s["dsc_launch_mode"],
+        "node_env": node_env, "rank_env": rank_env,
+        "helper": NODE_HELPER, "helper_src": str(Path(paths["repo"]) / "node" / "dsc_node.py"),
+        "runs": (probes.get(nodes[0]["name"]) or {}).get("runs") or [],
+        "run": None,
+    }
+    options = options or {}
+    if full_run:
+        plan["run"] = _run(plan, s, options, defaults, paths, problems, plan["runs"], now,
+                           refuse_active)
+    else:
+        plan["run_id"], plan["run_dir"], problem = run_reference(
+            str(options.get("run_id") or ""), plan["runs"], plan["run_root"])
+        if problem:
+            problems.add(problem)
+    if problems.messages:
+        return None, problems.messages
+    return plan, []
