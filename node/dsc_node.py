@@ -510,7 +510,14 @@ def write_run(run_dir, spec, resume=False):
         dest = Path(spec["code_dest"])
         dest.mkdir(parents=True, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(base64.b64decode(spec["code"])), mode="r:gz") as tar:
-            tar.extractall(dest, filter="data")
+            members = tar.getmembers()
+            # tarfile's "data" filter is missing from older 3.11 releases (Debian 12): the same
+            # rule by hand, nothing outside dest and no links.
+            bad = [m.name for m in members if m.name.startswith("/") or ".." in m.name.split("/")
+                   or not (m.isfile() or m.isdir())]
+            if bad:
+                return {"ok": False, "error": f"refused code archive entries {bad[:3]}"}
+            tar.extractall(dest, members=members)
     (run / RunDir.STOPPED).unlink(missing_ok=True)
     return {"ok": True, "run_dir": run_dir}
 

@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh machine: installs what it needs (podman, runc, debootstrap
-# from apt; the control venv; the node image; the offline wheelhouse; a CPU torch+DeepSpeed venv
-# for train/), then runs pytest over molecule/tests against a container cluster it starts itself.
+# The whole test suite, from a fresh machine: the unit tier first (tests/unit: the plan, the node
+# helper, train/config.py; seconds, no containers), then it installs what the container tier needs
+# (podman, runc, debootstrap from apt; the node image; the offline wheelhouse; a CPU
+# torch+DeepSpeed venv for train/) and runs pytest over molecule/tests against a container cluster
+# it starts itself.
 #   bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CONTAINERS_CONF=$PWD/scripts/containers.conf
+echo "== control venv";   bash scripts/setup-control.sh
+echo "== unit tests (tests/unit)"
+set +e
+.venv/bin/pytest tests/unit -q -rs
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "pytest collected no unit tests: that is a failure"; exit 1; fi
+if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 need=()
 for tool in podman runc debootstrap ssh-keygen; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if [ ${#need[@]} -gt 0 ]; then
@@ -13,7 +23,6 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client >/dev/null
 fi
-echo "== control venv";   bash scripts/setup-control.sh
 echo "== wheelhouse";     bash scripts/wheelhouse.sh
 echo "== node image";     bash scripts/build-image.sh
 if [ ! -x .cache/train-venv/bin/deepspeed ]; then

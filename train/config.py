@@ -131,7 +131,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
         key, text = item.split("=", 1)
-        values[key] = _coerce(key.strip(), text, from_text=True)
+        key = key.strip()
+        values[key] = _coerce(key, text, from_text=True)
     return Config(**values).validate()
 
 

@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "molecule"))
+sys.path.insert(0, str(ROOT / "plugins" / "module_utils"))  # dsc_plan's parsers
 import cluster as testcluster  # noqa: E402
 
 # testinfra's ansible backend calls ansible-inventory from PATH.

@@ -47,7 +47,7 @@ def wait_checkpoint(cluster, run_id, step, timeout=300):
 
 
 def procs(cluster, node, run_id):
-    r = cluster.exec(node, f"/opt/dscluster/bin/dsc-runctl procs {run_id}", check=False)
+    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
@@ -65,7 +65,7 @@ def nothing_left(cluster, nodes, run_id, only_this_run=False):
 
 
 def run_status(cluster, run_id):
-    return json.loads(cluster.exec(cluster.master, f"/opt/dscluster/bin/dsc-runctl status {RUNS}/{run_id} {run_id}").stdout)
+    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}").stdout)
 
 
 def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster, figures):
@@ -220,7 +220,7 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
         restarts = [json.loads(x) for x in cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/restarts.log").stdout.splitlines()]
         assert len(restarts) == 1 and f"a rank on {worker} was killed by SIGKILL" in restarts[0]["cause"]
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
-        assert "[dsc-runctl] restart 1/2" in log and "resume: loaded" in log
+        assert "[dsc_node] restart 1/2" in log and "resume: loaded" in log
         summary = json.loads(cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/summary.json").stdout)
         assert summary["steps"] == 3000 and 100 <= summary["start_step"] < 3000, summary
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")

@@ -1,14 +1,10 @@
 """Name resolution, SSH trust, the firewall's scope and the ranks' environment."""
-import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("clusterfilters", ROOT / "plugins/filter/cluster.py")
-filters = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(filters)
 
 
 def test_pdsh_from_master_reaches_every_node_without_prompt(provisioned, cluster):
@@ -57,18 +53,6 @@ def test_firewall_rules_in_place(provisioned, cluster):
         assert "29500:29510/tcp" in st and "DENY" in st
         for h in cluster.info["hosts"]:
             assert h["ip"] in st
-
-
-def test_rank_env_parses_and_names_the_interface_holding_the_address(provisioned, cluster):
-    for h in cluster.info["hosts"]:
-        text = cluster.exec(h["name"], "cat /opt/dscluster/deepspeed_env").stdout
-        env = filters.parse_ds_env(text)
-        assert env["DS_ACCELERATOR"] == "cpu" and env["NCCL_IB_DISABLE"] == "1"
-        assert env["DEEPSPEED_TIMEOUT"] == "30" and "NCCL_TIMEOUT" not in env
-        iface = env["GLOO_SOCKET_IFNAME"]
-        assert env["NCCL_SOCKET_IFNAME"] == iface
-        addr = cluster.exec(h["name"], f"ip -4 -o addr show dev {iface}").stdout
-        assert f"inet {h['ip']}/" in addr
 
 
 def test_no_host_key_checking_is_disabled_anywhere():

@@ -126,7 +126,7 @@ def test_master_port_occupied_names_the_next_free_one(provisioned, cluster, tmp_
 
 
 def test_wrong_interface_name(provisioned, cluster, tmp_path, figures):
-    env = {"cluster_network_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"}}
+    env = {"dsc_rank_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"}}
     r = preflight(cluster, tmp_path, "-e", json.dumps(env))
     assert r.returncode != 0
     for node in cluster.names:
@@ -134,15 +134,15 @@ def test_wrong_interface_name(provisioned, cluster, tmp_path, figures):
 
 
 def test_launch_runs_the_fast_checks_first_and_can_skip_them(provisioned, cluster, tmp_path):
-    env = json.dumps({"cluster_network_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"},
+    env = json.dumps({"dsc_rank_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"},
                       "preflight_report_dir": str(tmp_path)})
     r = cluster.playbook("launch.yml", "-e", env, "-e", "dry_run=true", "-e", "run_id=pf-refused")
     assert r.returncode != 0 and "Preflight failed" in r.output and "-e preflight=false" in r.output
-    assert "Start DeepSpeed" not in r.output and "Render the run's files" not in r.output
+    assert "Start DeepSpeed" not in r.output and "Write the run's files and code on every node" not in r.output
     skipped = cluster.playbook("launch.yml", "-e", env, "-e", "dry_run=true", "-e", "preflight=false",
                                "-e", "run_id=pf-skipped")
     assert "Preflight failed" not in skipped.output
-    assert "Render the run's files" in skipped.output, skipped.output[-3000:]
+    assert "Write the run's files and code on every node" in skipped.output, skipped.output[-3000:]
 
 
 def test_report_is_valid_json_with_one_row_per_check_and_node(provisioned, cluster, tmp_path):

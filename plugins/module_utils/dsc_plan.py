@@ -672,9 +672,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "conda_installer_file": str(s["dsc_conda_installer_file"] or ""),
         "conda_installer_sha256": str(s["dsc_conda_installer_sha256"] or ""),
         "wheelhouse": wheelhouse, "node_wheelhouse": f"{install_root}/wheelhouse",
-        "pip_source_args": (f"--no-index --find-links {install_root}/wheelhouse" if wheelhouse
-                            else f"--index-url {TORCH_INDEXES[s['dsc_torch_variant']]}"
-                            if TORCH_INDEXES.get(s["dsc_torch_variant"]) else ""),
+        # pip's source: the wheelhouse pushed to the node when there is one (offline).
+        "pip_offline_args": f"--no-index --find-links {install_root}/wheelhouse" if wheelhouse else "",
         "master_port_first": int(s["dsc_master_port"]),
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],

@@ -181,9 +181,6 @@ def test_set_dict():
     assert cfg.extra == {"tag": "exp1", "n": 2}
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="load_config stores the override under the unstripped key, so "
-                          "'steps =7' passes _coerce but Config(**values) raises TypeError")
 def test_set_key_with_spaces_is_accepted():
     assert load_config(overrides=["steps =7"]).steps == 7
 

@@ -1,0 +1,318 @@
+"""The plan (plugins/module_utils/dsc_plan.py): every check, the batch arithmetic, the ds_config,
+the rendered files and the launcher command, with no node and no Ansible run.
+
+    .venv/bin/pytest tests/unit -q
+"""
+import base64
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+import dsc_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "roles" / "plan" / "meta" / "argument_specs.yml"
+DEFAULTS = {k: v.get("default") for k, v in
+            yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"].items()}
+PATHS = {"repo": str(ROOT), "templates": str(ROOT / "templates")}
+
+
+def probe(addr, gpus=0, cap="9.0", runs=()):
+    return {"gpus": [{"index": str(i), "compute_cap": cap, "driver": "580.1"} for i in range(gpus)],
+            "interfaces": {"lo": ["127.0.0.1"], "eth0": [addr]}, "infiniband": False,
+            "runs": list(runs)}
+
+
+def cluster(n=2, slots=2, gpus=0, runs=(), **settings):
+    names = [f"node{i + 1}" for i in range(n)]
+    hostvars = {h: dict({"dsc_addr": f"10.0.0.{11 + i}", "dsc_slots": slots}, **settings)
+                for i, h in enumerate(names)}
+    probes = {h: probe(f"10.0.0.{11 + i}", gpus, runs=runs if i == 0 else ()) for i, h in enumerate(names)}
+    return hostvars, {"cluster": names}, probes
+
+
+def plan(n=2, options=None, full_run=False, runs=(), **settings):
+    hostvars, groups, probes = cluster(n, runs=runs, **settings)
+    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, options,
+                              now="20261130-000000", full_run=full_run)
+
+
+def test_spec_declares_exactly_what_the_plan_reads():
+    assert set(DEFAULTS) == set(dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + dsc_plan.RUN_OPTIONS)
+
+
+def test_a_valid_cluster_gives_the_model():
+    p, errors = plan()
+    assert errors == []
+    assert p["master"] == "node1" and p["master_addr"] == "10.0.0.11"
+    assert p["world_size"] == 4 and p["num_nodes"] == 2 and p["accelerator"] == "cpu"
+    assert p["node"]["node2"]["iface"] == "eth0" and p["node"]["node2"]["rank"] == 1
+    assert p["python"] == "/opt/dscluster/env/bin/python" and p["run_root"] == "/opt/dscluster/runs"
+    assert p["rank_env"]["NCCL_SOCKET_IFNAME"] == "eth0" and p["rank_env"]["DS_ACCELERATOR"] == "cpu"
+
+
+def test_master_group_moves_a_node_to_rank_zero():
+    hostvars, groups, probes = cluster(3)
+    groups["master"] = ["node3"]
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert errors == [] and p["node_names"] == ["node3", "node1", "node2"]
+
+
+def test_gpus_give_cuda_bf16_and_the_arch_list():
+    hostvars, groups, probes = cluster(2, slots="auto")
+    for h in probes:
+        probes[h] = probe(hostvars[h]["dsc_addr"], gpus=4, cap="9.0")
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    assert errors == []
+    assert p["world_size"] == 8 and p["accelerator"] == "cuda" and p["cuda_arch_list"] == "9.0"
+    assert p["node_env"]["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert p["run"]["ds_config"]["bf16"] == {"enabled": True}
+
+
+@pytest.mark.parametrize("caps,expect", [(["7.0"], "fp16"), (["8.0", "9.0"], "bf16"), ([], "fp32")])
+def test_precision_follows_the_oldest_gpu(caps, expect):
+    cfg = dsc_plan.precision("cuda" if caps else "cpu", caps)
+    on = [k for k in ("bf16", "fp16") if cfg[k]["enabled"]]
+    assert on == ([] if expect == "fp32" else [expect])
+
+
+BAD = [
+    ({"dsc_env_manager": "pip"}, "dsc_env_manager on host node1 is 'pip'. Fix: one of conda, venv, existing"),
+    ({"dsc_slots": 0}, "dsc_slots on host node1 is 0"),
+    ({"dsc_slots": "many"}, "dsc_slots on host node1 is 'many'"),
+    ({"dsc_slots": "auto"}, "dsc_slots on host node1 is 'auto' but nvidia-smi found no GPU there"),
+    ({"dsc_install_root": "opt/dscluster"}, "dsc_install_root on host node1 is 'opt/dscluster', not an absolute path"),
+    ({"dsc_install_root": "/opt/a;id"}, "dsc_install_root on host node1 is '/opt/a;id'"),
+    ({"dsc_run_root": "/opt/../etc"}, "dsc_run_root on host node1 is '/opt/../etc'"),
+    ({"dsc_run_root": "runs"}, "dsc_run_root on host node1 is 'runs', not an absolute path"),
+    ({"dsc_torch_variant": "cu999"}, "dsc_torch_variant on host node1 is 'cu999'"),
+    ({"dsc_wheelhouse": "/nonexistent/wheels"}, "dsc_wheelhouse on host node1 is '/nonexistent/wheels', which does not exist"),
+    ({"dsc_env_manager": "conda"}, "dsc_conda_installer_sha256 on host node1 is empty"),
+    ({"dsc_env_manager": "existing"}, "dsc_existing_python on host node1 is ''"),
+    ({"dsc_master_port": 80}, "dsc_master_port on host node1 is 80"),
+    ({"dsc_master_port": 29510, "dsc_master_port_last": 29500}, "dsc_master_port_last on host node1 is 29500"),
+    ({"dsc_ssh_port": 70000}, "dsc_ssh_port on host node1 is 70000"),
+    ({"dsc_train_user": "root"}, "dsc_train_user on host node1 is 'root'"),
+    ({"dsc_train_user": "Bad User"}, "dsc_train_user on host node1 is 'Bad User'"),
+    ({"dsc_torch_version": ">=2.0"}, "dsc_torch_version on host node1 is '>=2.0', not an exact version"),
+    ({"dsc_deepspeed_version": "latest"}, "dsc_deepspeed_version on host node1 is 'latest', not an exact version"),
+    ({"dsc_python_version": "python3"}, "dsc_python_version on host node1 is 'python3'"),
+    ({"dsc_cluster_name": "lab/a"}, "dsc_cluster_name on host node1 is 'lab/a'"),
+    ({"dsc_launch_mode": "mpi"}, "dsc_launch_mode on host node1 is 'mpi'"),
+    ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(id)"}}, "the value of NCCL_DEBUG is 'WARN$(id)'"),
+    ({"dsc_rank_env": {"HF_TOKEN": "abc"}}, "HF_TOKEN looks like a secret"),
+    ({"dsc_rank_env": {"BAD NAME": "x"}}, "'BAD NAME' is not a plain variable name"),
+    ({"dsc_addr": "10.0.0.300"}, "dsc_addr on host node1 is '10.0.0.300', not an IPv4 address"),
+    ({"dsc_addr": "10.0.0.11\nProxyCommand x"}, "dsc_addr on host node1"),
+]
+
+
+@pytest.mark.parametrize("settings,needle", BAD, ids=[f"{next(iter(s))}={list(s.values())[0]!r}"[:40] for s, _ in BAD])
+def test_bad_settings_are_refused_naming_variable_host_and_fix(settings, needle):
+    p, errors = plan(**settings)
+    assert p is None
+    assert any(needle in e for e in errors), errors
+    assert all("Fix:" in e for e in errors), errors
+
+
+def test_a_cluster_wide_error_is_reported_once_not_per_node():
+    p, errors = plan(n=4, dsc_master_port=80)
+    assert len([e for e in errors if e.startswith("dsc_master_port")]) == 1
+
+
+def test_a_cluster_wide_setting_that_differs_names_the_nodes():
+    hostvars, groups, probes = cluster(3)
+    hostvars["node3"]["dsc_install_root"] = "/srv/ds"
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert any(e.startswith("dsc_install_root differs between nodes") and "node3" in e for e in errors), errors
+
+
+def test_duplicate_address_and_address_held_by_no_interface():
+    hostvars, groups, probes = cluster(2)
+    hostvars["node2"]["dsc_addr"] = "10.0.0.11"
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert any("dsc_addr on host node2 is 10.0.0.11, the same as on host node1" in e for e in errors)
+    assert any("dsc_addr on host node2 is 10.0.0.11, which no interface there holds" in e for e in errors)
+
+
+def test_empty_cluster_group_says_so():
+    p, errors = dsc_plan.make_plan({}, {"cluster": []}, {}, DEFAULTS, PATHS)
+    assert p is None and "the group 'cluster' is empty or missing" in errors[0]
+
+
+def test_every_problem_comes_at_once_cluster_and_run():
+    p, errors = plan(options={"preset": "zero9", "run_id": "a/b", "dsc_entry_args": ["$(id)"]},
+                     full_run=True, dsc_slots=0)
+    text = "\n".join(errors)
+    for needle in ("dsc_slots on host node1 is 0", "preset is 'zero9'", "run_id is 'a/b'",
+                   "dsc_entry_args holds '$(id)'"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("run_id", ["../x", "/etc", "a b", "a;b", "$(id)", "x\ny", "{{ 7*7 }}", ".", "-rf", "a" * 65])
+def test_hostile_run_ids_are_refused(run_id):
+    p, errors = plan(options={"run_id": run_id}, full_run=True)
+    assert p is None and any(e.startswith("run_id is") for e in errors), errors
+
+
+@pytest.mark.parametrize("arg", ["a;b", "$(touch /x)", "`id`", "a b", "x\ny", "'q'", '"q"'])
+def test_entry_args_with_shell_characters_are_refused(arg):
+    p, errors = plan(options={"dsc_entry_args": ["--set", arg]}, full_run=True)
+    assert p is None and any("dsc_entry_args holds" in e for e in errors)
+
+
+@pytest.mark.parametrize("micro,accum,total,world,expect", [
+    (2, 0, 0, 4, (2, 1, 8)),
+    (2, 4, 0, 4, (2, 4, 32)),
+    (2, 0, 32, 4, (2, 4, 32)),
+    (0, 4, 32, 4, (2, 4, 32)),
+    (2, 4, 32, 4, (2, 4, 32)),
+])
+def test_batch_arithmetic_derives_the_missing_value(micro, accum, total, world, expect):
+    b = dsc_plan.batch(micro, accum, total, world)
+    assert (b["micro_batch"], b["grad_accum"], b["train_batch"]) == expect
+
+
+@pytest.mark.parametrize("micro,accum,total,world,needle", [
+    (2, 4, 30, 4, "batch settings disagree: 2 x 4 x 4 = 32, not 30"),
+    (3, 0, 32, 4, "dsc_train_batch 32 is not a multiple of micro-batch x world size = 12"),
+    (0, 3, 32, 4, "dsc_train_batch 32 is not a multiple of grad-accum x world size = 12"),
+    (0, 0, 0, 4, "no micro-batch"),
+    (-1, 0, 0, 4, "cannot be negative"),
+    ("x", 0, 0, 4, "whole numbers"),
+])
+def test_inconsistent_batch_settings_name_the_fix(micro, accum, total, world, needle):
+    b = dsc_plan.batch(micro, accum, total, world)
+    assert needle in b["error"] and "Fix" in b["error"]
+
+
+def test_launch_plan_holds_the_ds_config_files_and_command():
+    p, errors = plan(options={"preset": "zero3", "dsc_micro_batch": 4, "dsc_grad_accum": 2,
+                              "dsc_ds_config_overrides": {"gradient_clipping": 0.5}},
+                     full_run=True, dsc_ssh_port=2222)
+    assert errors == []
+    run = p["run"]
+    assert run["id"] == "zero3-20261130-000000" and run["dir"] == "/opt/dscluster/runs/zero3-20261130-000000"
+    cfg = json.loads(run["files"]["ds_config.json"])
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["gradient_clipping"] == 0.5
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (4, 2, 32)
+    assert cfg["bf16"] == {"enabled": False} and cfg["optimizer"]["type"] == "AdamW"
+    assert dsc_plan.parse_hostfile(run["files"]["hostfile"]) == [("node1", 2), ("node2", 2)]
+    env = dsc_plan.parse_ds_env(run["files"][".deepspeed_env"])
+    assert env["DSC_RUN_ID"] == run["id"] and env["PATH"].startswith("/opt/dscluster/env/bin:")
+    cmd = run["commands"]["node1"]
+    assert list(run["commands"]) == ["node1"]  # pdsh: one launcher, on the master
+    assert cmd[:5] == ["/opt/dscluster/env/bin/deepspeed", "--hostfile", f"{run['dir']}/hostfile",
+                       "--master_addr", "10.0.0.11"]
+    assert cmd[cmd.index("--ssh_port") + 1] == "2222" and "--no_ssh_check" not in cmd
+    assert cmd[-6:] == ["--module", "train.run", "--deepspeed_config", f"{run['dir']}/ds_config.json",
+                        "--config", f"{run['dir']}/train.json"]
+    assert run["code_dest"] == f"{run['dir']}/code/train"
+
+
+def test_code_archive_holds_the_code_without_caches(tmp_path):
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "pkg" / "train.py").write_text("print('hi')\n")
+    (tmp_path / "pkg" / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"x")
+    data = base64.b64decode(dsc_plan.code_archive(tmp_path / "pkg"))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        names = tar.getnames()
+    assert "./train.py" in names and not any("__pycache__" in n for n in names)
+
+
+def test_a_user_script_runs_from_the_code_dir_itself(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    p, errors = plan(options={"dsc_code_dir": str(tmp_path), "dsc_entry_script": "train.py",
+                              "dsc_entry_args": ["--epochs", "1"]}, full_run=True)
+    assert errors == []
+    cmd = p["run"]["commands"]["node1"]
+    assert p["run"]["code_dest"] == f"{p['run']['dir']}/code"
+    assert cmd[cmd.index("train.py"):] == ["train.py", "--deepspeed_config",
+                                           f"{p['run']['dir']}/ds_config.json", "--epochs", "1"]
+
+
+def test_entry_script_outside_the_code_dir_is_refused(tmp_path):
+    p, errors = plan(options={"dsc_code_dir": str(tmp_path), "dsc_entry_script": "../x.py"}, full_run=True)
+    assert any("dsc_entry_script is '../x.py'" in e for e in errors)
+    p, errors = plan(options={"dsc_code_dir": str(tmp_path), "dsc_entry_script": "missing.py"}, full_run=True)
+    assert any("which is not in dsc_code_dir" in e for e in errors)
+
+
+def test_no_ssh_mode_gives_one_launcher_per_node():
+    p, errors = plan(options={}, full_run=True, dsc_launch_mode="no_ssh")
+    assert errors == [] and sorted(p["run"]["commands"]) == ["node1", "node2"]
+    assert p["run"]["commands"]["node2"][-8:-6] == ["--node_rank", "1"] or "--node_rank" in p["run"]["commands"]["node2"]
+
+
+def test_one_node_skips_the_ssh_check():
+    p, errors = plan(n=1, options={}, full_run=True)
+    assert "--no_ssh_check" in p["run"]["commands"]["node1"]
+
+
+ACTIVE = [{"id": "old", "mtime": 2, "started": True, "active": True},
+          {"id": "older", "mtime": 1, "started": True, "active": False}]
+
+
+def test_an_active_run_refuses_a_second_launch_unless_replace():
+    p, errors = plan(options={}, full_run=True, runs=ACTIVE)
+    assert any("run old is active on node1" in e and "replace=true" in e for e in errors)
+    p, errors = plan(options={"replace": True}, full_run=True, runs=ACTIVE)
+    assert errors == [] and p["run"]["replace"] is True
+
+
+def test_a_used_run_directory_is_not_reused_and_resume_needs_a_known_run():
+    p, errors = plan(options={"run_id": "older"}, full_run=True, runs=ACTIVE[1:])
+    assert any("already holds a run" in e for e in errors)
+    p, errors = plan(options={"run_id": "nope", "resume": True}, full_run=True, runs=ACTIVE[1:])
+    assert any("no such run" in e for e in errors)
+    p, errors = plan(options={"resume": True}, full_run=True, runs=ACTIVE[1:])
+    assert errors == [] and p["run"]["id"] == "older" and p["run"]["commands"]["node1"][-1] == "--resume"
+
+
+def test_status_acts_on_the_active_run_else_the_newest():
+    p, _ = plan(options={}, runs=ACTIVE)
+    assert p["run_id"] == "old" and p["run_dir"] == "/opt/dscluster/runs/old"
+    p, _ = plan(options={}, runs=[dict(ACTIVE[0], active=False), ACTIVE[1]])
+    assert p["run_id"] == "old"
+    p, _ = plan(options={})
+    assert p["run_id"] is None
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("a slots=1\n\nb slots=2\n", None),
+    ("a slots = 1\n", "bad entry"),
+    ("a slots=1\na slots=2\n", "multiple entries"),
+    ("# only a comment\n", "empty"),
+])
+def test_hostfile_parsing_follows_deepspeed(text, needle):
+    if needle is None:
+        assert dsc_plan.parse_hostfile(text) == [("a", 1), ("b", 2)]
+    else:
+        with pytest.raises(ValueError, match=needle):
+            dsc_plan.parse_hostfile(text)
+
+
+@pytest.mark.parametrize("text,needle", [("A=1\n\nB=2\n", "no '='"), ("# c\n", "no '='"),
+                                         ("export A=1\n", "not a plain variable name")])
+def test_env_file_lines_that_break_deepspeed_are_refused(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        dsc_plan.parse_ds_env(text)
+
+
+def test_every_preset_file_merges_into_a_complete_config():
+    sizes = {"micro_batch": 1, "grad_accum": 1, "train_batch": 2}
+    for name in dsc_plan.presets(PATHS["templates"]):
+        cfg = dsc_plan.ds_config(PATHS["templates"], name, "cpu", [], sizes, {})
+        assert "zero_optimization" in cfg and cfg["train_batch_size"] == 2, name
+
+
+def test_a_preset_added_as_a_file_is_offered(tmp_path):
+    (tmp_path / "ds_config").mkdir()
+    for f in (ROOT / "templates" / "ds_config").glob("*.json"):
+        (tmp_path / "ds_config" / f.name).write_text(f.read_text())
+    (tmp_path / "ds_config" / "mine.json").write_text('{"zero_optimization": {"stage": 1}}')
+    assert "mine" in dsc_plan.presets(tmp_path)
