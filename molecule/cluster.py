@@ -28,6 +28,9 @@ SUBNET = "10.89.77.0/24"
 PREFIX = "dsc-"
 OUTSIDER = PREFIX + "outsider"
 NONDEFAULT_SSH_PORT = 2222
+# torch's and DeepSpeed's pinned versions (requirements/pins.env), as the nodes should have them.
+PINS = dict(line.split("=", 1) for line in (ROOT / "requirements" / "pins.env").read_text().splitlines()
+            if line.strip() and not line.startswith("#"))
 os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "scripts" / "containers.conf"))
 # The control venv's tools (ansible-playbook next to the python running this).
 VENV_BIN = Path(sys.executable).parent

@@ -547,11 +547,13 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     (run / RunDir.EXIT).unlink(missing_ok=True)
     (run / RunDir.FAILURE).unlink(missing_ok=True)
     if os.fork():
-        for _ in range(50):  # wait until the pid file exists
-            if (run / RunDir.PID).exists():
+        pid = None
+        for _ in range(100):  # until the supervisor recorded its pid (or already ended)
+            pid = pid_alive(run / RunDir.PID)
+            if pid or (run / RunDir.EXIT).exists():
                 break
             time.sleep(0.1)
-        print(json.dumps({"started": True, "pid": int((run / RunDir.PID).read_text()), "port": port,
+        print(json.dumps({"started": True, "pid": pid, "port": port,
                           "replaced": other.get("run_id") if other else None}))
         return 0
     lock.close()

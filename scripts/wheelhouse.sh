@@ -2,12 +2,14 @@
 # Fill an offline wheelhouse for the nodes: torch (CPU build here), DeepSpeed built as a wheel,
 # and everything they need. The nodes then install with --no-index --find-links (air-gapped path).
 #   scripts/wheelhouse.sh [DIR]        (default: .cache/wheelhouse)
-# TORCH, DEEPSPEED and PY (target Python, e.g. 3.11) override the pins.
+# The pins come from requirements/pins.env; TORCH, DEEPSPEED and PY (target Python, e.g. 3.11)
+# override them.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 dir=${1:-$here/.cache/wheelhouse}
-torch=${TORCH:-2.13.0}
-ds=${DEEPSPEED:-0.19.8}
+. "$here/requirements/pins.env"
+torch=${TORCH:-$TORCH_VERSION}
+ds=${DEEPSPEED:-$DEEPSPEED_VERSION}
 mkdir -p "$dir"
 if ls "$dir"/torch-"$torch"*.whl "$dir"/deepspeed-"$ds"-*.whl >/dev/null 2>&1; then
   echo "wheelhouse $dir has torch $torch and deepspeed $ds"; exit 0

@@ -135,11 +135,12 @@ def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(pro
         wait(lambda: run_status(cluster, run_id)["last"]["step"] > before + 2, 60, "steps after the drop")
         st = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert st.returncode == 0 and f"run {run_id}: running" in st.output, st.output[-3000:]
-        second = cluster.playbook("launch.yml", "-e", "run_id=f-second", "-e", "dry_run=true")
-        assert second.returncode != 0 and f"Run {run_id} is active" in second.output
+        second = cluster.playbook("launch.yml", "-e", "run_id=f-second")
+        assert second.returncode != 0 and f"run {run_id} is active on {cluster.master}" in second.output
         assert "-e replace=true" in second.output
+        assert all(v.get("changed", 0) == 0 for v in second.recap.values()), second.recap
         replaced = launch(cluster, "f-second", 100000, 1000, "-e", "replace=true")
-        assert "Stop every process of the replaced run" in replaced.output
+        assert f"replacing run {run_id}" in replaced.output, replaced.output[-3000:]
         assert nothing_left(cluster, cluster.names, run_id, only_this_run=True)
         assert wait(lambda: rank_pids(cluster, cluster.names[1], "f-second"), 60, "the new run's ranks")
         stop = cluster.playbook("stop.yml", "-e", "run_id=f-second")
@@ -170,7 +171,7 @@ def test_busy_master_port_takes_the_next_and_an_exhausted_range_says_so(provisio
         assert checked.returncode != 0 and "every port 29500-29500 is in use on node1" in checked.output
         unchecked = cluster.playbook("launch.yml", *narrow[:-2], "-e", "preflight=false")
         assert unchecked.returncode != 0
-        assert "Every master port from 29500 to 29500 is in use on node1" in unchecked.output
+        assert "did not start on node1: every master port from 29500 to 29500 is in use" in unchecked.output
     finally:
         cluster.exec(cluster.master, "pkill -f 'time.sleep\\(600\\)'", check=False)
 

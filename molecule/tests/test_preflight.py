@@ -3,6 +3,7 @@ injected fault is caught by name, with the node and a fix. Every fault is undone
 import json
 
 import cluster as testcluster
+from cluster import PINS
 
 DS_VERSION_FILE = "/opt/dscluster/env/lib/python3.11/site-packages/deepspeed/git_version_info_installed.py"
 
@@ -82,13 +83,14 @@ def test_master_port_blocked_by_a_firewall_rule(provisioned, cluster, tmp_path, 
 
 def test_different_deepspeed_version_on_one_node(provisioned, cluster, tmp_path, figures):
     worker = cluster.names[1]
-    cluster.exec(worker, f"sed -i \"s/^version='0.19.8'/version='0.19.7'/\" {DS_VERSION_FILE}")
+    pinned = PINS["DEEPSPEED_VERSION"]
+    cluster.exec(worker, f"sed -i \"s/^version='{pinned}'/version='0.0.1'/\" {DS_VERSION_FILE}")
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode != 0
-        _caught(r, "env and versions", worker, f"deepspeed 0.19.7 here, 0.19.8 on {cluster.master}", figures=figures, fault="different DeepSpeed version on one node")
+        _caught(r, "env and versions", worker, f"deepspeed 0.0.1 here, {pinned} on {cluster.master}", figures=figures, fault="different DeepSpeed version on one node")
     finally:
-        cluster.exec(worker, f"sed -i \"s/^version='0.19.7'/version='0.19.8'/\" {DS_VERSION_FILE}")
+        cluster.exec(worker, f"sed -i \"s/^version='0.0.1'/version='{pinned}'/\" {DS_VERSION_FILE}")
 
 
 def test_env_missing_on_one_node(provisioned, cluster, tmp_path, figures):

@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from cluster import PINS
+
 
 def test_second_run_changes_nothing(provisioned, cluster):
     recap = provisioned["second"].recap
@@ -13,7 +15,7 @@ def test_second_run_changes_nothing(provisioned, cluster):
 def test_version_table_has_a_row_per_node(provisioned, cluster):
     out = provisioned["second"].output
     for name in cluster.names:
-        assert f'"{name} | 3.11' in out and "| 2.13.0+cpu | cpu | 0.19.8 |" in out
+        assert f'"{name} | 3.11' in out and f"| {PINS['TORCH_VERSION']}+cpu | cpu | {PINS['DEEPSPEED_VERSION']} |" in out
 
 
 def test_env_is_identical_and_owned_by_the_training_user(provisioned, cluster):
@@ -27,7 +29,7 @@ def test_env_is_identical_and_owned_by_the_training_user(provisioned, cluster):
                        "'import torch, deepspeed, json; print(json.dumps([torch.__version__, deepspeed.__version__]))'")
         assert out.rc == 0, out.stderr
         seen.add(out.stdout.strip().splitlines()[-1])
-    assert seen == {json.dumps(["2.13.0+cpu", "0.19.8"])}
+    assert seen == {json.dumps([PINS["TORCH_VERSION"] + "+cpu", PINS["DEEPSPEED_VERSION"]])}
 
 
 def test_ds_report_kept_and_jit_cache_warm(provisioned, cluster):

@@ -3,7 +3,7 @@
 Run by roles/plan (run_once, registered as `dsc_plan` on every host of the play); the logic is in
 plugins/module_utils/dsc_plan.py. It reads each node's inventory values through hostvars, the
 nodes' probes (the `probe_var` each node registered), the run options from the play, and the
-defaults from roles/plan/meta/argument_specs.yml; it fails with every problem at once.
+defaults from roles/plan/meta/argument_specs.yml and requirements/pins.env; it fails with every problem at once.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import json
 import os
 import sys
 
-import yaml
 from ansible.plugins.action import ActionBase
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
@@ -20,12 +19,7 @@ import dsc_plan  # noqa: E402  (plugins/module_utils/dsc_plan.py, pure Python)
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 SPEC = os.path.join(REPO, "roles", "plan", "meta", "argument_specs.yml")
-
-
-def spec_defaults(path=SPEC):
-    with open(path) as f:
-        options = yaml.safe_load(f)["argument_specs"]["main"]["options"]
-    return {name: opt.get("default") for name, opt in options.items()}
+PINS = os.path.join(REPO, "requirements", "pins.env")
 
 
 def plain(value):
@@ -43,6 +37,12 @@ class ActionModule(ActionBase):
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]
         probe_var = args.get("probe_var", "__plan_probe")
         names = dsc_plan.node_order(groups)
+        dropped = [h for h in task_vars.get("ansible_play_hosts_all", [])
+                   if h not in task_vars.get("ansible_play_hosts", [])]
+        if dropped:
+            msg = (f"host(s) {', '.join(dropped)} failed before the plan (see above). Fix that "
+                   f"first: every check of the cluster needs every node.")
+            return dict(result, failed=True, msg=msg, errors=[msg])
         inventory, probes, unreachable = {}, {}, []
         for name in names:
             hv = hostvars[name]
@@ -56,9 +56,11 @@ class ActionModule(ActionBase):
                                    f"the cluster needs every node.")
                 continue
             probes[name] = json.loads(probe["stdout"])
-        if unreachable:
+        # status.yml shows an unreachable node as such; everything else needs every node.
+        allow_unreachable = dsc_plan._bool(self._templar.template(args.get("allow_unreachable", False)))
+        if unreachable and not allow_unreachable:
             return dict(result, failed=True, msg="\n".join(unreachable), errors=unreachable)
-        defaults = spec_defaults()
+        defaults = dsc_plan.load_defaults(SPEC, PINS)
         options = {k: plain(self._templar.template(task_vars[k]))
                    for k in dsc_plan.RUN_OPTIONS if k in task_vars}
         # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported

@@ -59,7 +59,7 @@ RUN_OPTIONS = (
     "preset", "run_id", "resume", "replace", "dry_run", "follow", "max_restarts",
     "restart_backoff_s", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch",
     "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
-    "dsc_entry_script", "dsc_entry_args", "dsc_train_config",
+    "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
 )
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 # Values DeepSpeed's runner puts on the remote command line unquoted; anything else it
@@ -77,6 +77,28 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # fp16 with dynamic loss scaling, for GPUs without bf16 (compute capability below 8.0).
 FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
         "hysteresis": 2, "min_loss_scale": 1}
+
+
+def read_pins(path):
+    """requirements/pins.env: NAME=VALUE lines (also sourced by shell scripts)."""
+    pins = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            pins[key.strip()] = value.strip()
+    return pins
+
+
+def load_defaults(spec_path, pins_path):
+    """Every setting's default: roles/plan/meta/argument_specs.yml, the versions from the pins."""
+    import yaml  # the control node has it (Ansible needs it)
+    with open(spec_path) as f:
+        options = yaml.safe_load(f)["argument_specs"]["main"]["options"]
+    defaults = {name: opt.get("default") for name, opt in options.items()}
+    pins = read_pins(pins_path)
+    defaults["dsc_torch_version"] = pins["TORCH_VERSION"]
+    defaults["dsc_deepspeed_version"] = pins["DEEPSPEED_VERSION"]
+    return defaults
 
 
 class Problems:
@@ -234,7 +256,9 @@ def _nodes(names, hostvars, defaults, probes, problems):
     nodes, seen_addr = [], {}
     for rank, name in enumerate(names):
         hv = hostvars.get(name) or {}
-        probe = probes.get(name) or {}
+        probe = probes.get(name)
+        reachable = probe is not None  # else only status.yml plans, showing the node as unreachable
+        probe = probe or {}
         gpus = probe.get("gpus") or []
         if not HOST_NAME.match(name):
             problems.add(f"inventory: host name {name!r}. Fix: letters, digits, '.' and '-' only "
@@ -253,7 +277,7 @@ def _nodes(names, hostvars, defaults, probes, problems):
         seen_addr.setdefault(addr, name)
         slots = setting(hostvars, defaults, name, "dsc_slots")
         if str(slots) == "auto":
-            if not gpus:
+            if not gpus and reachable:
                 problems.add(f"dsc_slots on host {name} is 'auto' but nvidia-smi found no GPU "
                              f"there. Fix: set dsc_slots to the rank count for a CPU-only node.")
             slots = len(gpus)
@@ -272,7 +296,7 @@ def _nodes(names, hostvars, defaults, probes, problems):
             "compute_caps": sorted({str(g.get("compute_cap", "")) for g in gpus} - {""}),
             "driver": (gpus[0].get("driver") if gpus else "") or "",
             "iface": interface_for(addr, probe.get("interfaces") or {}),
-            "infiniband": bool(probe.get("infiniband")),
+            "infiniband": bool(probe.get("infiniband")), "reachable": reachable,
         })
     return nodes
 
@@ -542,7 +566,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume,
         "replace": _bool(opt["replace"]), "dry_run": _bool(opt["dry_run"]),
-        "follow": _bool(opt["follow"]), "max_restarts": int(opt["max_restarts"]),
+        "follow": _bool(opt["follow"]), "preflight": _bool(opt["preflight"]),
+        "max_restarts": int(opt["max_restarts"]),
         "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
         "ds_config": config, "code_dir": code_dir, "code_shared": code_shared,
         "code_dest": f"{run_dir}/code/{code_base}" if package_dir else f"{run_dir}/code",
@@ -609,7 +634,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     _check_settings(s, names[0], problems, check_dir)
     nodes = _nodes(names, hostvars, defaults, probes, problems)
     for node in nodes:
-        if not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}):
+        if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}):
             seen = ", ".join(a for addrs in ((probes.get(node["name"]) or {}).get("interfaces")
                                              or {}).values() for a in addrs or [])
             problems.add(f"dsc_addr on host {node['name']} is {node['addr']}, which no interface "
@@ -620,6 +645,10 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                        "master": names[0], "world_size": None}
             runs = (probes.get(names[0]) or {}).get("runs") or []
             _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active)
+        else:
+            problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
+            if problem:
+                problems.add(problem)
         return None, problems.messages
 
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"

@@ -10,14 +10,13 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import yaml
 
 import dsc_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "roles" / "plan" / "meta" / "argument_specs.yml"
-DEFAULTS = {k: v.get("default") for k, v in
-            yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"].items()}
+PINS = dsc_plan.read_pins(ROOT / "requirements" / "pins.env")
+DEFAULTS = dsc_plan.load_defaults(SPEC, ROOT / "requirements" / "pins.env")
 PATHS = {"repo": str(ROOT), "templates": str(ROOT / "templates")}
 
 
@@ -43,6 +42,11 @@ def plan(n=2, options=None, full_run=False, runs=(), **settings):
 
 def test_spec_declares_exactly_what_the_plan_reads():
     assert set(DEFAULTS) == set(dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + dsc_plan.RUN_OPTIONS)
+
+
+def test_versions_default_to_the_pins():
+    p, _ = plan()
+    assert (p["torch_version"], p["deepspeed_version"]) == (PINS["TORCH_VERSION"], PINS["DEEPSPEED_VERSION"])
 
 
 def test_a_valid_cluster_gives_the_model():
@@ -245,7 +249,9 @@ def test_entry_script_outside_the_code_dir_is_refused(tmp_path):
 def test_no_ssh_mode_gives_one_launcher_per_node():
     p, errors = plan(options={}, full_run=True, dsc_launch_mode="no_ssh")
     assert errors == [] and sorted(p["run"]["commands"]) == ["node1", "node2"]
-    assert p["run"]["commands"]["node2"][-8:-6] == ["--node_rank", "1"] or "--node_rank" in p["run"]["commands"]["node2"]
+    for rank, node in enumerate(["node1", "node2"]):
+        cmd = p["run"]["commands"][node]
+        assert "--no_ssh" in cmd and cmd[cmd.index("--node_rank") + 1] == str(rank)
 
 
 def test_one_node_skips_the_ssh_check():
@@ -271,6 +277,11 @@ def test_a_used_run_directory_is_not_reused_and_resume_needs_a_known_run():
     assert any("no such run" in e for e in errors)
     p, errors = plan(options={"resume": True}, full_run=True, runs=ACTIVE[1:])
     assert errors == [] and p["run"]["id"] == "older" and p["run"]["commands"]["node1"][-1] == "--resume"
+
+
+def test_status_reports_a_bad_run_id_with_the_cluster_problems():
+    p, errors = plan(options={"run_id": "../x"}, dsc_slots=0)
+    assert any(e.startswith("dsc_slots") for e in errors) and any(e.startswith("run_id is '../x'") for e in errors)
 
 
 def test_status_acts_on_the_active_run_else_the_newest():
@@ -316,3 +327,11 @@ def test_a_preset_added_as_a_file_is_offered(tmp_path):
         (tmp_path / "ds_config" / f.name).write_text(f.read_text())
     (tmp_path / "ds_config" / "mine.json").write_text('{"zero_optimization": {"stage": 1}}')
     assert "mine" in dsc_plan.presets(tmp_path)
+
+
+def test_status_plans_around_an_unreachable_node():
+    hostvars, groups, probes = cluster(2, slots="auto")
+    probes["node1"] = probe("10.0.0.11", gpus=1)
+    del probes["node2"]
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {})
+    assert errors == [] and not p["node"]["node2"]["reachable"] and p["node"]["node1"]["reachable"]

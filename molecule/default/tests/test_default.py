@@ -1,7 +1,11 @@
 """molecule verify: every node provisioned alike (pytest-testinfra, one run per node)."""
 import json
+from pathlib import Path
 
 ENV = "/opt/dscluster/env"
+PINS = dict(line.split("=", 1) for line in
+            (Path(__file__).resolve().parents[3] / "requirements" / "pins.env").read_text().splitlines()
+            if line.strip() and not line.startswith("#"))
 
 
 def test_training_user_owns_the_env(host):
@@ -12,7 +16,7 @@ def test_training_user_owns_the_env(host):
 def test_torch_and_deepspeed_import_with_the_pinned_versions(host):
     out = host.check_output(f"{ENV}/bin/python -c 'import json, torch, deepspeed; "
                             "print(json.dumps([torch.__version__, deepspeed.__version__]))'")
-    assert json.loads(out.strip().splitlines()[-1]) == ["2.13.0+cpu", "0.19.8"]
+    assert json.loads(out.strip().splitlines()[-1]) == [PINS["TORCH_VERSION"] + "+cpu", PINS["DEEPSPEED_VERSION"]]
 
 
 def test_ds_report_kept_and_jit_cache_warm(host):

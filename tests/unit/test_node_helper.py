@@ -1,0 +1,208 @@
+"""The node helper (node/dsc_node.py) on this machine: run files, the launch lock and the active
+run, free ports, status states and failure parsing. Real processes, no container.
+
+    .venv/bin/pytest tests/unit/test_node_helper.py -q
+"""
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HELPER = ROOT / "node" / "dsc_node.py"
+sys.path.insert(0, str(HELPER.parent))
+import dsc_node  # noqa: E402
+
+
+def helper(*args, stdin=None, env=None):
+    return subprocess.run([sys.executable, str(HELPER), *map(str, args)], input=stdin, text=True,
+                          capture_output=True, timeout=60, env=env)
+
+
+def archive(files):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_write_run_writes_files_and_code_then_refuses_a_used_dir(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    spec = {"files": {"hostfile": "a slots=1\n", "run_id": "r1\n"},
+            "code": archive({"train.py": "print(1)\n"}), "code_dest": str(run / "code")}
+    r = helper("write-run", run, stdin=json.dumps(spec))
+    assert r.returncode == 0, r.stderr
+    assert (run / "hostfile").read_text() == "a slots=1\n" and (run / "code" / "train.py").exists()
+    (run / dsc_node.RunDir.LOG).write_text("started\n")
+    again = helper("write-run", run, stdin=json.dumps(spec))
+    assert again.returncode == 4 and "already holds a run" in again.stdout
+    assert helper("write-run", run, "--resume", stdin=json.dumps({"files": {}})).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["../evil.py", "/tmp/evil.py"])
+def test_write_run_refuses_code_that_leaves_its_folder(tmp_path, name):
+    spec = {"files": {}, "code": archive({name: "x"}), "code_dest": str(tmp_path / "r" / "code")}
+    r = helper("write-run", tmp_path / "r", stdin=json.dumps(spec))
+    assert r.returncode == 4 and "refused code archive entries" in r.stdout
+    assert not (tmp_path / "evil.py").exists()
+
+
+def test_write_run_refuses_file_names_with_a_path(tmp_path):
+    r = helper("write-run", tmp_path / "r", stdin=json.dumps({"files": {"../x": "y"}}))
+    assert r.returncode == 4 and not (tmp_path / "x").exists()
+
+
+def test_free_port_skips_a_port_in_use():
+    s = socket.socket()
+    s.bind(("0.0.0.0", 0))
+    s.listen(1)
+    busy = s.getsockname()[1]
+    try:
+        assert dsc_node.free_port(busy, busy) is None
+        assert dsc_node.free_port(busy, busy + 1) in (busy + 1, None)
+    finally:
+        s.close()
+
+
+def test_pid_alive_reads_dead_and_other_users_processes(tmp_path):
+    pid_file = tmp_path / "pid"
+    pid_file.write_text(str(os.getpid()))
+    assert dsc_node.pid_alive(pid_file) == os.getpid()
+    pid_file.write_text("1")  # init: alive; EPERM for a non-root reader is still alive
+    assert dsc_node.pid_alive(pid_file) == 1
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pid_file.write_text(str(dead.pid))
+    assert dsc_node.pid_alive(pid_file) is None
+    pid_file.write_text("garbage")
+    assert dsc_node.pid_alive(pid_file) is None
+
+
+def test_runs_lists_newest_first_with_active_and_started(tmp_path):
+    for name in ("old", "new"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "new" / dsc_node.RunDir.PID).write_text(str(os.getpid()))
+    (tmp_path / "old" / dsc_node.RunDir.LOG).write_text("x")
+    for i, name in enumerate(["old", "new"]):
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    os.symlink("/etc", tmp_path / "link")  # never followed
+    runs = dsc_node.runs(tmp_path)
+    assert [r["id"] for r in runs] == ["new", "old"]
+    assert runs[0]["active"] and not runs[0]["started"] and runs[1]["started"] and not runs[1]["active"]
+    assert dsc_node.active(tmp_path) == {"run_id": "new", "run_dir": str(tmp_path / "new")}
+
+
+@pytest.mark.parametrize("files,state", [
+    ({}, "not started"),
+    ({"launcher.log": "x", "exit_code": "0\n"}, "finished"),
+    ({"launcher.log": "x", "exit_code": "1\n"}, "failed"),
+    ({"launcher.log": "x", "exit_code": "-15\n", "stopped": "stopped\n"}, "stopped"),
+    ({"launcher.log": "x"}, "lost"),
+])
+def test_status_states(tmp_path, files, state):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert dsc_node.status(tmp_path, "nope-run")["state"] == state
+
+
+def test_status_reads_the_last_metrics_and_the_failure(tmp_path):
+    (tmp_path / "launcher.log").write_text("node2: [INFO] exits with return code = -9\nTraceback (most recent call last):\n")
+    (tmp_path / "exit_code").write_text("1\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    (tmp_path / "failure.json").write_text(json.dumps({"node": "node2", "message": "a rank on node2 was killed by SIGKILL"}))
+    st = dsc_node.status(tmp_path, "nope-run")
+    assert st["last"] == {"step": 2, "loss": 1.5} and st["failed_node"] == "node2"
+    assert st["first_error"] == ("a rank on node2 was killed by SIGKILL; first error: Traceback (most "
+                                 "recent call last):")
+
+
+@pytest.mark.parametrize("line,expect", [
+    ("node2: [2026] [INFO] [launch.py:335] Process 7 exits with return code = -9", ("node2", "signal", "a rank on node2 was killed by SIGKILL")),
+    ("node1: [INFO] exits with return code = 3", ("node1", "exit", "ranks on node1 exited with code 3")),
+    ("pdsh@node1: node2: ssh exited with exit code 255", ("node2", "lost", "the connection to node2 was lost (node down or sshd gone)")),
+    ("node1: [INFO] exits with return code = 0", None),
+    ("some other line", None),
+])
+def test_failure_lines_from_deepspeed_and_pdsh(line, expect):
+    ev = dsc_node.failure_event(line)
+    if expect is None:
+        assert ev is None
+    else:
+        assert (ev["node"], ev["kind"], dsc_node.describe(ev)) == expect
+
+
+def wait_for(path, seconds=20):
+    deadline = time.time() + seconds
+    while time.time() < deadline and not path.exists():
+        time.sleep(0.1)
+    return path.exists()
+
+
+def launcher_script(tmp_path, body):
+    """A stand-in for DeepSpeed's launcher: start puts --master_port N right after it."""
+    path = tmp_path / f"launcher-{abs(hash(body))}.sh"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_start_records_port_and_exit_code_and_refuses_while_a_run_is_active(tmp_path):
+    root = tmp_path / "runs"
+    (root / "long").mkdir(parents=True)
+    (root / "short").mkdir()
+    env = dict(os.environ)
+    first = helper("start", root / "long", "long", "--run-root", root, "--ports", 29800, 29810, "--",
+                   launcher_script(tmp_path, "sleep 30"), env=env)
+    assert first.returncode == 0, first.stderr
+    started = json.loads(first.stdout)
+    assert started["started"] and 29800 <= started["port"] <= 29810
+    assert (root / "long" / "master_port").read_text().strip() == str(started["port"])
+    try:
+        second = helper("start", root / "short", "short", "--run-root", root, "--ports", 29800, 29810,
+                        "--", launcher_script(tmp_path, "exit 0"), env=env)
+        assert second.returncode == 4 and json.loads(second.stdout)["active"]["run_id"] == "long"
+        assert not (root / "short" / "launcher.log").exists()
+    finally:
+        stopped = json.loads(helper("stop", "long", "--grace", 2, "--run-dir", root / "long").stdout)
+    assert stopped["left"] == 0 and (root / "long" / "stopped").exists()
+    assert wait_for(root / "long" / "exit_code")
+    assert not (root / "long" / "launcher.pid").exists()
+    third = helper("start", root / "short", "short", "--run-root", root, "--ports", 29800, 29810,
+                   "--", launcher_script(tmp_path, "echo hello; exit 3"), env=env)
+    assert third.returncode == 0
+    assert wait_for(root / "short" / "exit_code")
+    assert (root / "short" / "exit_code").read_text().strip() == "3"
+    log = (root / "short" / "launcher.log").read_text()
+    assert "hello" in log
+    assert dsc_node.status(root / "short", "short")["state"] == "failed"
+
+
+def test_start_puts_the_chosen_port_after_the_launcher(tmp_path):
+    root = tmp_path / "runs"
+    (root / "r").mkdir(parents=True)
+    launcher = launcher_script(tmp_path, 'echo ARGS "$@"')
+    r = helper("start", root / "r", "r", "--run-root", root, "--ports", 29820, 29830, "--",
+               launcher, "--hostfile", "h", "train.py")
+    assert r.returncode == 0
+    assert wait_for(root / "r" / "exit_code")
+    port = json.loads(r.stdout)["port"]
+    assert f"ARGS --master_port {port} --hostfile h train.py" in (root / "r" / "launcher.log").read_text()
+
+
+def test_probe_reports_interfaces_and_runs(tmp_path):
+    (tmp_path / "r1").mkdir()
+    out = json.loads(helper("probe", "--run-root", tmp_path).stdout)
+    assert "lo" in out["interfaces"] and isinstance(out["gpus"], list) and out["cpus"] >= 1
+    assert [r["id"] for r in out["runs"]] == ["r1"]
