@@ -166,10 +166,34 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
 """
 
 
-def versions(python, env):
+# The fast checks (launch.yml) read the same from the installed packages' metadata without
+# importing them (importing torch and DeepSpeed takes seconds on a GPU node); torch's own
+# version.py holds its CUDA build. The GPU count torch sees needs the import: full mode only.
+VERSIONS_FAST = r"""
+import json, os, platform, importlib.metadata as md, importlib.util
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+missing = [n for n in ("torch", "deepspeed") if version(n) is None]
+if missing:
+    raise SystemExit("ModuleNotFoundError: No module named " + repr(missing[0]))
+spec = importlib.util.find_spec("torch")
+info = {}
+exec(open(os.path.join(os.path.dirname(spec.origin), "version.py")).read(), info)
+nccl = [version(n) for n in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11") if version(n)]
+print(json.dumps({"python": platform.python_version(), "torch": version("torch"),
+                  "cuda": info.get("cuda") or "cpu", "deepspeed": version("deepspeed"),
+                  "nccl": nccl[0] if nccl and info.get("cuda") else "-"}))
+"""
+
+
+def versions(python, env, fast=False):
     if not os.access(python, os.X_OK):
         return {"error": f"{python} does not exist"}
-    rc, out, err = run([python, "-c", VERSIONS], timeout=180, env=dict(os.environ, **env))
+    rc, out, err = run([python, "-c", VERSIONS_FAST if fast else VERSIONS], timeout=180,
+                       env=dict(os.environ, **env))
     if rc != 0:
         last = [line for line in err.strip().splitlines() if line.strip()][-1:] or [f"exit {rc}"]
         return {"error": f"{python} cannot import torch and deepspeed: {last[0][:300]}"}
@@ -214,7 +238,7 @@ def check(a):
         "time": time.time(),
         "cpus": os.cpu_count(),
         "env_prefix_exists": os.path.isdir(a["env_prefix"]),
-        "versions": versions(a["python"], a.get("env", {})),
+        "versions": versions(a["python"], a.get("env", {}), fast=a.get("fast", False)),
         "resolve": resolve(a["names"]),
         "disk": {"path": path, "free_gib": gib},
         "interfaces": interfaces(),

@@ -10,6 +10,8 @@ DEEPSPEED_FACTS' failure modes; a check that could not run says why.
 """
 from __future__ import annotations
 
+import json
+
 # The oldest Linux driver each CUDA major release runs on (minor-version compatibility, from
 # NVIDIA's CUDA toolkit release notes, table 2).
 MIN_DRIVER = {"11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
@@ -137,11 +139,12 @@ def preflight_rows(hostvars, cluster, settings):
         if n not in ok:
             continue
         slots, gpus, cpus = node["slots"], node["gpus"], probe[n].get("cpus") or 0
-        torch_gpus = (probe[n].get("versions") or {}).get("torch_gpus", 0)
+        # The fast checks read versions without importing torch: no GPU count from torch there.
+        torch_gpus = (probe[n].get("versions") or {}).get("torch_gpus")
         if gpus:
             if slots > gpus:
                 st, d = "FAIL", f"dsc_slots={slots} but nvidia-smi sees {gpus} GPUs on {n}"
-            elif torch_gpus != gpus and "error" not in (probe[n].get("versions") or {}):
+            elif torch_gpus is not None and torch_gpus != gpus:
                 st, d = "FAIL", f"nvidia-smi sees {gpus} GPUs but torch sees {torch_gpus} on {n}"
             elif slots < gpus:
                 st, d = "WARN", f"{slots} of {gpus} GPUs used on {n}"
@@ -265,7 +268,28 @@ def preflight_table(rows):
     return lines
 
 
+def iperf_result(result, to, installed=True):
+    """One iperf3 client run (the registered command result) as {to, gbps, retransmits, error}:
+    a run that failed, or whose JSON lacks the totals (iperf3 reports its own errors in the
+    JSON), becomes an error text for a WARN row, never a crash."""
+    out = {"to": to, "gbps": None, "retransmits": None}
+    if not installed:
+        return dict(out, error="iperf3 is not installed")
+    text = (result or {}).get("stdout") or ""
+    try:
+        data = json.loads(text) if text.strip().startswith("{") else {}
+    except ValueError:
+        data = {}
+    end = data.get("end") or {}
+    bps = (end.get("sum_received") or {}).get("bits_per_second")
+    if (result or {}).get("rc") == 0 and bps:
+        return dict(out, gbps=round(bps / 1e9, 3),
+                    retransmits=(end.get("sum_sent") or {}).get("retransmits"))
+    why = data.get("error") or (result or {}).get("stderr") or text or f"exit {(result or {}).get('rc')}"
+    return dict(out, error=" ".join(str(why).split())[:200])
+
+
 class FilterModule:
     def filters(self):
         return {"dsc_preflight_rows": preflight_rows, "dsc_preflight_table": preflight_table,
-                "dsc_preflight_facts": preflight_facts}
+                "dsc_preflight_facts": preflight_facts, "dsc_iperf_result": iperf_result}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On a GPU machine with no network (the device image: CUDA torch at /opt/torch/.venv, no Ansible):
+# install the carried Ansible and collections beside the image's python, then run bench/launch.py
+# --where gpu (provision.yml with inventory/gpu-local, launch.yml vs the same deepspeed command by
+# hand, status.yml). WHEELS holds the node's wheels (DeepSpeed and the deps the image lacks), the
+# Ansible wheels and collections.tgz (ansible.posix, community.crypto, community.general).
+#   bench/gpu_launch.sh WHEELS OUT_JSON [REPS]
+set -euo pipefail
+wheels=$(realpath "$1"); out=$2; reps=${3:-2}
+py=/opt/torch/.venv/bin/python3
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if [ ! -f /tmp/anssite/bin/ansible-playbook ]; then
+  $py -m pip install -q --no-index --no-deps --target /tmp/anssite "$wheels"/ansible_core-*.whl \
+    "$wheels"/resolvelib-*.whl "$wheels"/cryptography-*.whl "$wheels"/cffi-*.whl "$wheels"/pycparser-*.whl
+  mkdir -p /tmp/anssite/collections && tar -C /tmp/anssite/collections -xzf "$wheels/collections.tgz"
+fi
+printf '#!/bin/sh\nPYTHONPATH=/tmp/anssite exec %s /tmp/anssite/bin/ansible-playbook "$@"\n' "$py" > /tmp/ansible-playbook
+chmod +x /tmp/ansible-playbook
+export ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels DSC_ANSIBLE_PLAYBOOK=/tmp/ansible-playbook
+$py bench/launch.py --where gpu --reps "$reps" --out "$out"

@@ -1,0 +1,51 @@
+"""Preflight verdicts on the control node (plugins/filter/preflight.py), from what nodes report."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("preflight_filters", ROOT / "plugins" / "filter" / "preflight.py")
+preflight = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(preflight)
+
+
+def test_iperf_totals_become_gbit_per_s():
+    out = {"rc": 0, "stdout": json.dumps({"end": {"sum_received": {"bits_per_second": 16.55e9},
+                                                  "sum_sent": {"retransmits": 650}}})}
+    assert preflight.iperf_result(out, "node2") == {"to": "node2", "gbps": 16.55, "retransmits": 650}
+
+
+@pytest.mark.parametrize("result,needle", [
+    ({"rc": 0, "stdout": json.dumps({"start": {}, "end": {}, "error": "the server has terminated"})},
+     "the server has terminated"),
+    ({"rc": 1, "stdout": "", "stderr": "iperf3: error - unable to connect to server: Connection refused"},
+     "unable to connect"),
+    ({"rc": 0, "stdout": "not json"}, "not json"),
+    (None, "exit None"),
+])
+def test_an_iperf_hiccup_is_an_error_text_not_a_crash(result, needle):
+    r = preflight.iperf_result(result, "node2")
+    assert r["gbps"] is None and needle in r["error"]
+
+
+def test_iperf_missing_says_so():
+    assert preflight.iperf_result({}, "node2", installed=False)["error"] == "iperf3 is not installed"
+
+
+@pytest.mark.parametrize("configured,interfaces,status", [
+    ("", {"eth0": ["10.0.0.11"], "lo": ["127.0.0.1"]}, "PASS"),
+    ("eth9", {"eth0": ["10.0.0.11"]}, "FAIL"),
+    ("eth0", {"eth0": ["10.0.0.99"]}, "FAIL"),
+    ("=eth0", {"eth0": ["10.0.0.11"], "eth01": []}, "PASS"),
+    ("", {"eth0": ["10.0.0.99"]}, "FAIL"),
+])
+def test_interface_verdicts(configured, interfaces, status):
+    assert preflight.interface_verdict("node1", "10.0.0.11", interfaces, configured)[0] == status
+
+
+@pytest.mark.parametrize("cuda,driver,status", [("13.0", "580.65.06", "PASS"), ("13.0", "570.1", "FAIL"),
+                                                ("12.8", "525.60.13", "PASS"), ("cpu", "", "PASS")])
+def test_driver_verdicts(cuda, driver, status):
+    assert preflight.driver_verdict(cuda, driver)[0] == status
