@@ -68,10 +68,12 @@ def down():
         subprocess.run(["rm", "-rf", str(STATE)], check=False)
 
 
+# Default capabilities plus what ufw needs: no SYS_PTRACE, as on restricted real nodes (root
+# there cannot read other users' /proc/PID/environ; the toolkit must not rely on it).
 def start(name, hostname, ip, port):
     sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
        "--network", NETWORK, "--ip", ip, "--no-hosts",
-       "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--cap-add", "SYS_PTRACE",
+       "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW",
        "--cap-add", "AUDIT_WRITE", "--shm-size", "1g", "--init",
        IMAGE, "/bin/sh", "-c",
        # Per-container host keys, a hosts file the node owns (kept across a restart), then sshd

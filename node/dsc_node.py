@@ -21,6 +21,7 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py stop RUN_ID [--grace S] [--run-dir DIR]
                                               # mark the run stopped, TERM, then KILL after S seconds
     dsc_node.py status RUN_DIR RUN_ID         # state, ranks alive, last metrics, first error
+    dsc_node.py write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
     dsc_node.py free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.py active RUN_ROOT               # the run whose supervisor is alive, if any
 """
@@ -53,6 +54,7 @@ class RunDir:
     STOPPED = "stopped"           # an operator's stop: no restart
     METRICS = "metrics.jsonl"     # one JSON object per logged step (train.run)
     PORT = "master_port"
+    LAUNCH = "launch.json"        # what the run was launched with (resume and restarts reuse it)
     CODE = "code"
     LOCK = ".launch.lock"         # in the run root: one launch at a time
 
@@ -71,6 +73,13 @@ def run(cmd, timeout=60, env=None):
         return 127, "", str(e)
     except subprocess.TimeoutExpired:
         return 124, "", f"timed out after {timeout} s"
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def port_free(port):
@@ -121,7 +130,8 @@ def runs(run_root):
             continue
         d = RunDir(e.path)
         out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,
-                    "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID))})
+                    "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID)),
+                    "launch": read_json(d / RunDir.LAUNCH)})
     return sorted(out, key=lambda r: r["mtime"], reverse=True)
 
 
@@ -343,10 +353,18 @@ ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code 
                         r"was not reachable|Address already in use)")
 
 
+class Blind(RuntimeError):
+    """Processes this helper cannot inspect: a lookup that cannot see must never say "none"."""
+
+
 def procs(run_id):
-    """Every process whose environment carries DSC_RUN_ID=run_id (launcher, pdsh, ranks)."""
+    """Every process whose environment carries DSC_RUN_ID=run_id (supervisor, launcher, pdsh,
+    ranks). Run as the training user, who owns them all: reading another user's
+    /proc/PID/environ needs CAP_SYS_PTRACE, which containers and hardened kernels deny even
+    root. An environment of our own user's that cannot be read raises Blind; as root, any
+    non-root one."""
     marker = f"DSC_RUN_ID={run_id}".encode()
-    out = []
+    me, out, blind = os.geteuid(), [], []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
@@ -355,36 +373,85 @@ def procs(run_id):
             if marker not in env:
                 continue
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
+        except PermissionError:
+            try:
+                owner = (d / "environ").stat().st_uid
+            except OSError:
+                continue
+            # A run never runs as root (the plan refuses a root training user), and the kernel
+            # gives root the /proc files of non-dumpable processes (sshd's session processes):
+            # those are not looked at. As root, any other user's unreadable one is blindness.
+            if owner != 0 and (me == 0 or owner == me):
+                blind.append(int(d.name))
+            continue
+        except OSError:  # gone meanwhile
             continue
         out.append({"pid": int(d.name), "cmd": cmd[:300]})
+    if blind:
+        raise Blind(f"cannot read the environment of {len(blind)} processes (e.g. pid {blind[0]}: "
+                    f"permission denied); run the helper as the user who owns the run")
     return out
 
 
+# DeepSpeed's runner answers SIGTERM by pkill-ing every launcher that matches its command line on
+# every node (other runs' too): it and pdsh get SIGKILL, never TERM. The supervisor is left to
+# record the exit code once its launcher is gone.
+RUNNER = re.compile(r"(/deepspeed |deepspeed\.launcher\.runner|^pdsh |/pdsh )")
+SUPERVISOR = " start "
+
+
+def is_supervisor(p):
+    return "dsc_node.py" in p["cmd"] and SUPERVISOR in p["cmd"]
+
+
 def is_rank(p):
-    return " -m deepspeed.launcher" not in p["cmd"] and "deepspeed.launcher.runner" not in p["cmd"] \
-        and "pdsh" not in p["cmd"] and "/bin/deepspeed" not in p["cmd"] and "dsc_node.py" not in p["cmd"] \
-        and ("python" in p["cmd"])
+    return " -m deepspeed.launcher" not in p["cmd"] and not RUNNER.search(p["cmd"]) \
+        and "dsc_node.py" not in p["cmd"] and "python" in p["cmd"]
+
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_gone(run_id, seconds, keep=lambda p: True):
+    deadline = time.time() + seconds
+    while True:
+        left = [p for p in procs(run_id) if keep(p)]
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.2)
 
 
 def stop(run_id, grace, run_dir=None):
-    """Mark the run stopped (a supervisor then restarts nothing), TERM its processes, KILL what
-    is left after `grace` seconds; report what was found and what survived."""
+    """Mark the run stopped (a supervisor then restarts nothing), SIGKILL DeepSpeed's runner and
+    pdsh, TERM the rest (each node's launch.py ends its ranks), KILL what is left after `grace`
+    seconds, then let the supervisor record the exit code; report what was found and what
+    survived. Only processes that carry this run's id are touched."""
     if run_dir and os.path.isdir(run_dir):
         write_atomic(RunDir(run_dir) / RunDir.STOPPED, "stopped\n")
     found = procs(run_id)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs(run_id):
-            try:
-                os.kill(p["pid"], sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + (grace if sig == signal.SIGTERM else 5)
-        while time.time() < deadline and procs(run_id):
-            time.sleep(0.2)
-        if not procs(run_id):
-            break
-    left = procs(run_id)
+    signal_all([p["pid"] for p in found if RUNNER.search(p["cmd"]) and not is_supervisor(p)],
+               signal.SIGKILL)
+    workers = lambda p: not is_supervisor(p)  # noqa: E731
+    signal_all([p["pid"] for p in procs(run_id) if workers(p)], signal.SIGTERM)
+    left = wait_gone(run_id, grace, workers)
+    if left:
+        signal_all([p["pid"] for p in left], signal.SIGKILL)
+        wait_gone(run_id, 5, workers)
+    left = wait_gone(run_id, 10)  # the supervisor writes exit_code and ends
+    supervisor = pid_alive(RunDir(run_dir) / RunDir.PID) if run_dir else None
+    deadline = time.time() + 10
+    while supervisor and pid_alive(RunDir(run_dir) / RunDir.PID) and time.time() < deadline:
+        time.sleep(0.2)
+    if supervisor and pid_alive(RunDir(run_dir) / RunDir.PID):
+        signal_all([supervisor], signal.SIGKILL)
+    if left:
+        signal_all([p["pid"] for p in left], signal.SIGKILL)
+        left = wait_gone(run_id, 5)
     return {"found": len(found), "left": len(left), "left_pids": [p["pid"] for p in left]}
 
 
@@ -399,19 +466,15 @@ def first_error(log):
     return None
 
 
-def read_json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def status(run_dir, run_id):
     run = RunDir(run_dir)
     ps = procs(run_id)
+    ranks = sum(1 for p in ps if is_rank(p))
     launcher = pid_alive(run / RunDir.PID)
     code = (run / RunDir.EXIT).read_text().strip() if (run / RunDir.EXIT).exists() else None
-    if launcher:
+    # A worker has no launcher of its own (pdsh starts its ranks): its ranks say it runs, and
+    # the supervisor writes the exit code into every node's run directory when the run ends.
+    if launcher or (ranks and code is None):
         state = "running"
     elif code == "0":
         state = "finished"
@@ -436,7 +499,7 @@ def status(run_dir, run_id):
         if failure:
             error = f"{failure['message']}; first error: {error}" if error else failure["message"]
     return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
-            "launcher_pid": launcher, "ranks_alive": sum(1 for p in ps if is_rank(p)),
+            "launcher_pid": launcher, "ranks_alive": ranks,
             "processes": len(ps), "last": last, "restarts": int(restarts),
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
             "first_error": error}
@@ -477,13 +540,7 @@ def write_atomic(path, text):
 def teardown(run_id, hosts, run_dir=None):
     """Stop every process of the run here and, through pdsh, on the other nodes (by the
     DSC_RUN_ID marker each process carries, so orphans go too)."""
-    others = hosts[1:]
-    if others:
-        extra = ["--run-dir", run_dir] if run_dir else []
-        subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
-                        os.path.abspath(__file__), "stop", run_id, "--grace", "5"] + extra,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
+    on_others(hosts, "stop", run_id, "--grace", "5", *(["--run-dir", run_dir] if run_dir else []))
     return stop(run_id, 5.0, run_dir)
 
 
@@ -511,7 +568,7 @@ def watch(child, run, run_id, hosts, grace=3.0):
             deadline = time.time() + grace
         if deadline and torn is None and time.time() >= deadline:
             torn = {"started": time.time()}
-            child.terminate()  # DeepSpeed's runner relays it to pdsh and pkills its launchers
+            child.kill()  # not TERM: the runner would pkill other runs' launchers by pattern
             torn.update(teardown(run_id, hosts))
             torn["done"] = time.time()
         time.sleep(0.5)
@@ -621,8 +678,20 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff):
             break
         attempt = list(cmd) + ([] if "--resume" in cmd else ["--resume"])
     write_atomic(run / RunDir.EXIT, f"{code}\n")
+    on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)
     os._exit(0)
+
+
+def on_others(hosts, *args):
+    """This helper with args on every other node of the run, through pdsh (best effort: a node
+    that cannot be reached keeps no record, and its status says so)."""
+    others = list(hosts)[1:]
+    if others:
+        subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
+                        os.path.abspath(__file__), *args],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
 
 
 def options(args, flags=(), valued=()):
@@ -647,6 +716,14 @@ JSON_COMMANDS = {"check": check, "mesh": mesh, "listen": listen, "connect": conn
 
 
 def main(argv):
+    try:
+        return command(argv)
+    except Blind as e:
+        print(json.dumps({"error": str(e)}))
+        return 5
+
+
+def command(argv):
     if not argv:
         print(__doc__)
         return 2
@@ -674,6 +751,9 @@ def main(argv):
     elif cmd == "stop":
         pos, opts = options(args, valued=("--grace", "--run-dir"))
         print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"))))
+    elif cmd == "write-exit":  # the supervisor's record of how the run ended, on a worker
+        if os.path.isdir(args[0]):
+            write_atomic(RunDir(args[0]) / RunDir.EXIT, f"{int(args[1])}\n")
     elif cmd == "status":
         print(json.dumps(status(args[0], args[1])))
     elif cmd == "free-port":

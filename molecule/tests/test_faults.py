@@ -47,7 +47,7 @@ def wait_checkpoint(cluster, run_id, step, timeout=300):
 
 
 def procs(cluster, node, run_id):
-    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", check=False)
+    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
@@ -65,7 +65,8 @@ def nothing_left(cluster, nodes, run_id, only_this_run=False):
 
 
 def run_status(cluster, run_id):
-    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}").stdout)
+    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}",
+                                   user="dstrain").stdout)
 
 
 def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster, figures):

@@ -15,7 +15,7 @@ def tc(**kw):
 
 
 def run_procs(cluster, node, run_id):
-    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}")
+    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain")
     return json.loads(r.stdout)
 
 

@@ -37,6 +37,12 @@ class ActionModule(ActionBase):
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]
         probe_var = args.get("probe_var", "__plan_probe")
         names = dsc_plan.node_order(groups)
+        limited = [h for h in names if h not in task_vars.get("ansible_play_hosts_all", names)]
+        if limited:
+            msg = (f"--limit leaves out {', '.join(limited)}: the plan checks and derives the whole "
+                   f"cluster (rank order, world size, the hostfile) and needs every node. Fix: run "
+                   f"without --limit; to leave a node out, remove it from the group 'cluster'.")
+            return dict(result, failed=True, msg=msg, errors=[msg])
         dropped = [h for h in task_vars.get("ansible_play_hosts_all", [])
                    if h not in task_vars.get("ansible_play_hosts", [])]
         if dropped:

@@ -61,6 +61,13 @@ RUN_OPTIONS = (
     "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
 )
+# What a run was launched with, written to its launch.json: resume.yml and restarts start exactly
+# the same command (the user's entry point and arguments, the preset, the batch) from it.
+LAUNCH_SPEC = (
+    "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
+    "dsc_code_dir", "dsc_code_shared", "dsc_entry_module", "dsc_entry_script", "dsc_entry_args",
+    "dsc_train_config",
+)
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 # Values DeepSpeed's runner puts on the remote command line unquoted; anything else it
 # double-quotes, where $() and backticks still expand: refused.
@@ -253,7 +260,7 @@ def check_env_var(problems, key, value, where):
 
 
 def _nodes(names, hostvars, defaults, probes, problems):
-    nodes, seen_addr = [], {}
+    nodes, seen_addr, seen_target = [], {}, {}
     for rank, name in enumerate(names):
         hv = hostvars.get(name) or {}
         probe = probes.get(name)
@@ -275,6 +282,13 @@ def _nodes(names, hostvars, defaults, probes, problems):
                          f"{seen_addr[addr]}. Fix: give each node its own training-network "
                          f"address.")
         seen_addr.setdefault(addr, name)
+        target = (str(hv.get("ansible_host") or name), str(hv.get("ansible_port") or 22))
+        if target in seen_target:
+            problems.add(f"ansible_host on host {name} is {target[0]} (port {target[1]}), the same "
+                         f"machine as host {seen_target[target]}. Fix: list each machine once in "
+                         f"the group 'cluster' (one machine under two names would be provisioned "
+                         f"twice at once and get two training addresses).")
+        seen_target.setdefault(target, name)
         slots = setting(hostvars, defaults, name, "dsc_slots")
         if str(slots) == "auto":
             if not gpus and reachable:
@@ -443,6 +457,10 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
     opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
     resume = _bool(opt["resume"])
+    if resume:  # the run's own launch spec wins: the same entry, arguments, preset and batch
+        wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
+        spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
+        opt.update({k: v for k, v in spec.items() if k in LAUNCH_SPEC})
     known = presets(paths["templates"])
     preset = str(opt["preset"])
     if preset not in known:
@@ -578,6 +596,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
             "hostfile": hostfile,
             "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
             "run_id": run_id + "\n",
+            "launch.json": json.dumps({k: opt[k] for k in LAUNCH_SPEC}, indent=2, sort_keys=True) + "\n",
             ".deepspeed_env": env_text,
         },
     }

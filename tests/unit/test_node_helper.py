@@ -177,7 +177,9 @@ def test_start_records_port_and_exit_code_and_refuses_while_a_run_is_active(tmp_
     finally:
         stopped = json.loads(helper("stop", "long", "--grace", 2, "--run-dir", root / "long").stdout)
     assert stopped["left"] == 0 and (root / "long" / "stopped").exists()
-    assert wait_for(root / "long" / "exit_code")
+    # The supervisor outlived its launcher (the command after "--" matches the runner pattern)
+    # and recorded how the run ended.
+    assert (root / "long" / "exit_code").exists()
     assert not (root / "long" / "launcher.pid").exists()
     third = helper("start", root / "short", "short", "--run-root", root, "--ports", 29800, 29810,
                    "--", launcher_script(tmp_path, "echo hello; exit 3"), env=env)
@@ -206,3 +208,22 @@ def test_probe_reports_interfaces_and_runs(tmp_path):
     out = json.loads(helper("probe", "--run-root", tmp_path).stdout)
     assert "lo" in out["interfaces"] and isinstance(out["gpus"], list) and out["cpus"] >= 1
     assert [r["id"] for r in out["runs"]] == ["r1"]
+
+
+def test_a_worker_with_live_ranks_is_running_and_records_the_exit(tmp_path):
+    """A worker has no launcher of its own: its ranks (found by the run's id) say it runs; the
+    supervisor's write-exit gives it the run's end."""
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                            env=dict(os.environ, DSC_RUN_ID="w-run"))
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline and not dsc_node.procs("w-run"):
+            time.sleep(0.1)
+        st = dsc_node.status(tmp_path, "w-run")
+        assert st["state"] == "running" and st["ranks_alive"] == 1
+        stopped = json.loads(helper("stop", "w-run", "--grace", 2, "--run-dir", tmp_path).stdout)
+        assert stopped == {"found": 1, "left": 0, "left_pids": []}
+    finally:
+        rank.kill()
+    assert helper("write-exit", tmp_path, 0).returncode == 0
+    assert dsc_node.status(tmp_path, "w-run")["state"] == "finished"

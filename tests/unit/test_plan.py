@@ -335,3 +335,26 @@ def test_status_plans_around_an_unreachable_node():
     del probes["node2"]
     p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {})
     assert errors == [] and not p["node"]["node2"]["reachable"] and p["node"]["node1"]["reachable"]
+
+
+def test_one_machine_under_two_names_is_refused():
+    hostvars, groups, probes = cluster(2)
+    for h in hostvars:
+        hostvars[h]["ansible_host"] = "192.0.2.7"
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert any("ansible_host on host node2 is 192.0.2.7 (port 22), the same machine as host node1" in e
+               for e in errors), errors
+
+
+def test_resume_reuses_the_runs_launch_spec(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    first, errors = plan(options={"preset": "zero3", "dsc_code_dir": str(tmp_path),
+                                  "dsc_entry_script": "train.py", "dsc_entry_args": ["--epochs", "2"]},
+                         full_run=True)
+    spec = json.loads(first["run"]["files"]["launch.json"])
+    runs = [{"id": first["run"]["id"], "mtime": 1, "started": True, "active": False, "launch": spec}]
+    again, errors = plan(options={"resume": True, "preset": "zero1"}, full_run=True, runs=runs)
+    assert errors == [] and again["run"]["preset"] == "zero3"
+    cmd = again["run"]["commands"]["node1"]
+    assert cmd[cmd.index("train.py"):] == ["train.py", "--deepspeed_config", f"{again['run']['dir']}/ds_config.json",
+                                           "--epochs", "2", "--resume"]
