@@ -457,10 +457,11 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
     opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
     resume = _bool(opt["resume"])
-    if resume:  # the run's own launch spec wins: the same entry, arguments, preset and batch
+    if resume:  # the run's own launch spec: the same entry, arguments, preset and batch, except
+        # what this command gives explicitly (-e), e.g. more steps
         wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
         spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
-        opt.update({k: v for k, v in spec.items() if k in LAUNCH_SPEC})
+        opt.update({k: v for k, v in spec.items() if k in LAUNCH_SPEC and k not in options})
     known = presets(paths["templates"])
     preset = str(opt["preset"])
     if preset not in known:

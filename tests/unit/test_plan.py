@@ -353,8 +353,10 @@ def test_resume_reuses_the_runs_launch_spec(tmp_path):
                          full_run=True)
     spec = json.loads(first["run"]["files"]["launch.json"])
     runs = [{"id": first["run"]["id"], "mtime": 1, "started": True, "active": False, "launch": spec}]
-    again, errors = plan(options={"resume": True, "preset": "zero1"}, full_run=True, runs=runs)
+    again, errors = plan(options={"resume": True}, full_run=True, runs=runs)
     assert errors == [] and again["run"]["preset"] == "zero3"
     cmd = again["run"]["commands"]["node1"]
     assert cmd[cmd.index("train.py"):] == ["train.py", "--deepspeed_config", f"{again['run']['dir']}/ds_config.json",
                                            "--epochs", "2", "--resume"]
+    more, errors = plan(options={"resume": True, "dsc_entry_args": ["--epochs", "3"]}, full_run=True, runs=runs)
+    assert more["run"]["commands"]["node1"][-3:] == ["--epochs", "3", "--resume"]  # given explicitly: wins
