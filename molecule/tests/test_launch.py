@@ -116,6 +116,8 @@ def _stop_and_resume(cluster):
         assert ps == "0", f"{n}: {ps} training processes left"
     status = cluster.playbook("status.yml", "-e", "run_id=t-long")
     assert "run t-long: stopped" in status.output
+    for n in cluster.names:  # every row from that node's own record, workers included
+        assert f"{n}: stopped, ranks alive 0" in status.output, status.output[-3000:]
     complete = [set(cluster.exec(n, "cd /opt/dscluster/runs/t-long/checkpoints && ls -d step*/COMPLETE "
                                     "| sed 's/step//; s,/COMPLETE,,'").stdout.split()) for n in cluster.names]
     saved = max(int(s) for s in set.intersection(*complete))

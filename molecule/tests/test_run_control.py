@@ -1,0 +1,142 @@
+"""Run control that never lies, on the container cluster (nodes without SYS_PTRACE): one run never
+touches another, every node's status row reads its own record, and inventory mistakes fail
+loudly before anything changes."""
+import json
+import threading
+import time
+
+RUNS = "/opt/dscluster/runs"
+OTHER_ROOT = "/opt/dscluster/runs-b"
+TINY = {"vocab_size": 512, "seq_len": 64}
+
+
+def procs(cluster, node, run_id):
+    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr  # a lookup that cannot see is an error
+    return json.loads(r.stdout)
+
+
+def last_step(cluster, root, run_id):
+    r = cluster.exec(cluster.master, f"tail -1 {root}/{run_id}/metrics.jsonl 2>/dev/null", check=False)
+    return json.loads(r.stdout)["step"] if r.stdout.strip() else 0
+
+
+def wait(cond, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_stopping_one_run_leaves_another_training(provisioned, cluster):
+    """Two runs alive at once (two run roots, so each has its own lock and active run; ports
+    29500 and 29501): stopping the first must not end the second (DeepSpeed's runner, sent
+    SIGTERM, would pkill every launcher matching its command line on every node)."""
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {RUNS}/rc-a {OTHER_ROOT} && install -d -o dstrain -g dstrain {OTHER_ROOT}")
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)})]
+    try:
+        a = cluster.playbook("launch.yml", "-e", "run_id=rc-a", *train)
+        assert a.returncode == 0, a.output[-3000:]
+        b = cluster.playbook("launch.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}", *train)
+        assert b.returncode == 0, b.output[-3000:]
+        assert cluster.exec(cluster.master, f"cat {OTHER_ROOT}/rc-b/master_port").stdout.strip() != \
+            cluster.exec(cluster.master, f"cat {RUNS}/rc-a/master_port").stdout.strip()
+        wait(lambda: last_step(cluster, RUNS, "rc-a") > 2 and last_step(cluster, OTHER_ROOT, "rc-b") > 2, 240,
+             "both runs training")
+        stop = cluster.playbook("stop.yml", "-e", "run_id=rc-a")
+        assert stop.returncode == 0, stop.output[-3000:]
+        for n in cluster.names:
+            assert procs(cluster, n, "rc-a") == [], n
+            assert any("train.run" in p["cmd"] for p in procs(cluster, n, "rc-b")), f"rc-b lost its rank on {n}"
+        before = last_step(cluster, OTHER_ROOT, "rc-b")
+        wait(lambda: last_step(cluster, OTHER_ROOT, "rc-b") > before + 5, 120, "rc-b training on after rc-a's stop")
+        status = cluster.playbook("status.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
+        for n in cluster.names:
+            assert f"{n}: running, ranks alive 1" in status.output, status.output[-3000:]
+        stopped = cluster.playbook("status.yml", "-e", "run_id=rc-a")
+        for n in cluster.names:
+            assert f"{n}: stopped, ranks alive 0" in stopped.output, stopped.output[-3000:]
+    finally:
+        cluster.playbook("stop.yml", "-e", "run_id=rc-a")
+        cluster.playbook("stop.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
+
+
+def test_every_row_tells_a_finished_run(provisioned, cluster):
+    """Workers have no launcher of their own: their rows come from the exit code the supervisor
+    records on every node."""
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {RUNS}/rc-done")
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-done", "-e", "follow=true",
+                         "-e", json.dumps({"dsc_train_config": dict(TINY, steps=4, save_every=100)}))
+    assert r.returncode == 0, r.output[-3000:]
+    wait(lambda: all(cluster.exec(n, f"test -f {RUNS}/rc-done/exit_code", check=False).returncode == 0
+                     for n in cluster.names), 60, "the exit code on every node")
+    status = cluster.playbook("status.yml", "-e", "run_id=rc-done")
+    for n in cluster.names:
+        assert f"{n}: finished" in status.output, status.output[-3000:]
+
+
+def _inventory(cluster, folder, hosts):
+    """An edited copy of the cluster's inventory: these hosts, its own group_vars."""
+    folder.mkdir(parents=True)
+    (folder / "hosts.yml").write_text(json.dumps({"all": {"children": {"cluster": {"hosts": hosts}}}}))
+    (folder / "group_vars").symlink_to(cluster.inventory / "group_vars")
+    return folder
+
+
+def _hosts(cluster):
+    return {h["name"]: {"ansible_host": h["ip"], "ansible_port": h["port"], "dsc_slots": 1}
+            for h in cluster.info["hosts"]}
+
+
+def test_inventory_mistakes_fail_loudly_and_change_nothing(provisioned, cluster, tmp_path):
+    first, second = cluster.names[0], cluster.names[1]
+    twice = _hosts(cluster)
+    twice["node1b"] = dict(twice[first], dsc_addr="10.89.77.201")
+    down = _hosts(cluster)
+    down[second]["ansible_host"] = "10.89.77.250"  # in the test network, held by no container
+    cases = [
+        (_inventory(cluster, tmp_path / "empty", {}), [], "has no host in the group 'cluster'"),
+        (tmp_path / "no-such-inventory", [], "has no host in the group 'cluster'"),
+        (_inventory(cluster, tmp_path / "twice", twice), [],
+         f"ansible_host on host node1b is {twice[first]['ansible_host']}"),
+        (_inventory(cluster, tmp_path / "down", down), [], f"host {second} could not be probed"),
+        (cluster.inventory, ["--limit", first], f"--limit leaves out {second}"),
+    ]
+    saved = cluster.inventory
+    try:
+        for inventory, args, needle in cases:
+            cluster.inventory = inventory
+            r = cluster.playbook("provision.yml", *args, timeout=300)
+            assert r.returncode != 0, (inventory, r.output[-2000:])
+            assert needle in r.output, (inventory, r.output[-2000:])
+            assert "Make every node identical" not in r.output, inventory
+            assert all(v.get("changed", 0) == 0 for v in r.recap.values()), (inventory, r.recap)
+    finally:
+        cluster.inventory = saved
+
+
+def test_an_iperf3_server_killed_mid_measurement_is_a_warn_row(provisioned, cluster, tmp_path):
+    worker = cluster.names[1]
+    stop = threading.Event()
+
+    def kill_iperf():
+        while not stop.is_set():
+            cluster.exec(worker, "pkill -x iperf3 || true", check=False)
+            time.sleep(0.3)
+    killer = threading.Thread(target=kill_iperf, daemon=True)
+    killer.start()
+    try:
+        r = cluster.playbook("preflight.yml", "-e", f"preflight_report_dir={tmp_path}")
+    finally:
+        stop.set()
+        killer.join()
+    report = json.loads((tmp_path / "preflight-testcluster-latest.json").read_text())
+    rows = [x for x in report["checks"] if x["check"] == "iperf3" and x["node"] == cluster.names[0]]
+    assert rows and rows[0]["status"] == "WARN" and rows[0]["detail"], report["checks"]
+    s = report["summary"]
+    assert s["pass"] + s["warn"] + s["fail"] == len(report["checks"])
+    assert f"{s['pass']} passed, {s['warn']} warnings, {s['fail']} failed" in r.output
