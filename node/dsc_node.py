@@ -65,9 +65,21 @@ class RunDir:
         return self.path / name
 
 
-def run(cmd, timeout=60, env=None):
+def run(cmd, timeout=60, env=None, user=None):
+    """cmd's (exit code, stdout, stderr); as `user` when given and this helper is root."""
+    drop = None
+    if user and os.geteuid() == 0:
+        import pwd
+        pw = pwd.getpwnam(user)
+        env = dict(env or os.environ, HOME=pw.pw_dir, USER=user, LOGNAME=user)
+
+        def drop():
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           preexec_fn=drop)
         return r.returncode, r.stdout, r.stderr
     except FileNotFoundError as e:
         return 127, "", str(e)
@@ -199,11 +211,13 @@ print(json.dumps({"python": platform.python_version(), "torch": version("torch")
 """
 
 
-def versions(python, env, fast=False):
+def versions(python, env, fast=False, user=None):
+    """The env's versions, read by its own python run as `user` (the env's owner): root never
+    runs code from a place the training user can write (a planted .pth would run as root)."""
     if not os.access(python, os.X_OK):
         return {"error": f"{python} does not exist"}
     rc, out, err = run([python, "-c", VERSIONS_FAST if fast else VERSIONS], timeout=180,
-                       env=dict(os.environ, **env))
+                       env=dict(os.environ, **env), user=user)
     if rc != 0:
         last = [line for line in err.strip().splitlines() if line.strip()][-1:] or [f"exit {rc}"]
         return {"error": f"{python} cannot import torch and deepspeed: {last[0][:300]}"}
@@ -248,7 +262,8 @@ def check(a):
         "time": time.time(),
         "cpus": os.cpu_count(),
         "env_prefix_exists": os.path.isdir(a["env_prefix"]),
-        "versions": versions(a["python"], a.get("env", {}), fast=a.get("fast", False)),
+        "versions": versions(a["python"], a.get("env", {}), fast=a.get("fast", False),
+                             user=a.get("env_owner")),
         "resolve": resolve(a["names"]),
         "disk": {"path": path, "free_gib": gib},
         "interfaces": interfaces(),

@@ -227,3 +227,11 @@ def test_a_worker_with_live_ranks_is_running_and_records_the_exit(tmp_path):
         rank.kill()
     assert helper("write-exit", tmp_path, 0).returncode == 0
     assert dsc_node.status(tmp_path, "w-run")["state"] == "finished"
+
+
+def test_the_envs_python_runs_as_its_owner_never_as_root():
+    """versions() runs the env's python as the env's owner: a .pth planted there by the training
+    user must not run as root (here: any user's id instead of root's)."""
+    rc, out, _ = dsc_node.run(["id", "-u"], user="nobody")
+    expected = str(__import__("pwd").getpwnam("nobody").pw_uid) if os.geteuid() == 0 else str(os.geteuid())
+    assert rc == 0 and out.strip() == expected
