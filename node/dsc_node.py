@@ -12,7 +12,7 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py listen | connect              # hold / reach the master port (preflight's TCP check)
     dsc_node.py write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
     dsc_node.py start RUN_DIR RUN_ID --run-root DIR --ports FIRST LAST [--replace] [--hosts H1,H2]
-                      [--max-restarts N] [--backoff S] -- CMD...
+                      [--max-restarts N] [--backoff S] [--resume-args JSON_LIST] -- CMD...
                                               # under a lock: refuse (or replace) an active run, take the
                                               # first free master port, detach a supervisor that runs CMD,
                                               # tears the run down everywhere when a node fails and
@@ -619,7 +619,7 @@ def write_run(run_dir, spec, resume=False):
 
 
 def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_restarts=0,
-          backoff=10.0):
+          backoff=10.0, resume_args=("--resume",)):
     """Under the run root's lock: refuse (or replace) an active run, take the first free master
     port, then double-fork a supervisor into a new session so that it outlives the Ansible
     connection; its pid is the run's launcher.pid until the run ends, restarts included."""
@@ -656,10 +656,10 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     os.setsid()
     if os.fork():
         os._exit(0)
-    supervise(run, run_id, cmd, hosts, max_restarts, backoff)
+    supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args)
 
 
-def supervise(run, run_id, cmd, hosts, max_restarts, backoff):
+def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=()):
     log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -691,7 +691,8 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff):
         time.sleep(wait)
         if (run / RunDir.STOPPED).exists():
             break
-        attempt = list(cmd) + ([] if "--resume" in cmd else ["--resume"])
+        resumes = list(resume_args) and list(cmd[-len(resume_args):]) == list(resume_args)
+        attempt = list(cmd) + ([] if resumes else list(resume_args))
     write_atomic(run / RunDir.EXIT, f"{code}\n")
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)
@@ -755,12 +756,14 @@ def command(argv):
     elif cmd == "start":
         sep = args.index("--")
         pos, opts = options(args[:sep], flags=("--replace",),
-                            valued=("--run-root", "--hosts", "--max-restarts", "--backoff"))
+                            valued=("--run-root", "--hosts", "--max-restarts", "--backoff",
+                                    "--resume-args"))
         return start(pos[0], pos[1], args[sep + 1:], opts["--run-root"], opts["--ports"],
                      replace="--replace" in opts,
                      hosts=[h for h in opts.get("--hosts", "").split(",") if h],
                      max_restarts=int(opts.get("--max-restarts", 0)),
-                     backoff=float(opts.get("--backoff", 10)))
+                     backoff=float(opts.get("--backoff", 10)),
+                     resume_args=json.loads(opts.get("--resume-args", '["--resume"]')))
     elif cmd == "procs":
         print(json.dumps(procs(args[0])))
     elif cmd == "stop":

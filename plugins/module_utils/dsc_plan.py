@@ -60,13 +60,24 @@ RUN_OPTIONS = (
     "restart_backoff_s", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch",
     "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
+    "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_resume_args",
 )
+CONFIG_MODES = ("preset", "file", "hf", "none")
+# How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
+# --deepspeed_config (deepspeed.add_config_arguments), HF Trainer and accelerate scripts --deepspeed.
+CONFIG_ARGS = {"preset": "--deepspeed_config", "file": "--deepspeed_config", "hf": "--deepspeed", "none": ""}
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+# What HF's Trainer fills in itself from its TrainingArguments ("auto" in its ds_config).
+HF_AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "train_batch_size": "auto", "gradient_clipping": "auto",
+           "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
 # What a run was launched with, written to its launch.json: resume.yml and restarts start exactly
 # the same command (the user's entry point and arguments, the preset, the batch) from it.
 LAUNCH_SPEC = (
     "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
     "dsc_code_dir", "dsc_code_shared", "dsc_entry_module", "dsc_entry_script", "dsc_entry_args",
-    "dsc_train_config",
+    "dsc_train_config", "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg",
+    "dsc_resume_args",
 )
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 # Values DeepSpeed's runner puts on the remote command line unquoted; anything else it
@@ -406,6 +417,67 @@ def ds_config(templates_dir, preset, accelerator, compute_caps, sizes, overrides
     return merge(cfg, overrides)
 
 
+def _checked_batch(cfg, world, problems, where):
+    """Batch arithmetic where the config gives numbers ("auto" values are left to HF)."""
+    micro, accum, total = (cfg.get(k) for k in BATCH_KEYS)
+    nums = [v for v in (micro, accum, total) if isinstance(v, int) and not isinstance(v, bool)]
+    if len(nums) == 3 and micro * accum * world != total:
+        problems.add(f"{where}: train_batch_size {total} is not train_micro_batch_size_per_gpu "
+                     f"{micro} x gradient_accumulation_steps {accum} x world size {world} = "
+                     f"{micro * accum * world}. Fix: give two of them (or 'auto' for HF scripts).")
+
+
+def compose_config(mode, templates_dir, preset, explicit, accelerator, caps, sizes, overrides,
+                   user_config, world, problems):
+    """The run's ds_config for a config mode, or None (mode none):
+    preset  the preset file + precision by hardware + the batch + overrides (the toolkit's own);
+    file    the user's ds_config as the base; a preset given explicitly (-e preset=...), batch
+            settings given explicitly and the overrides merged on top;
+    hf      like file (or the preset when no file is given) with HF's "auto" values kept: the
+            Trainer fills in batch, clipping, precision and its own optimizer;
+    none    the script configures DeepSpeed itself."""
+    if mode == "none":
+        return None
+    if mode == "preset":
+        return ds_config(templates_dir, preset, accelerator, caps, sizes, overrides)
+    if user_config is None:  # hf without a file of the user's
+        base = json.loads((Path(templates_dir) / "ds_config" / "_base.json").read_text())
+        base.pop("optimizer", None)
+        cfg = merge(merge(base, presets(templates_dir)[preset]), HF_AUTO)
+    else:
+        cfg = copy.deepcopy(user_config)
+        if "preset" in explicit:
+            cfg = merge(cfg, presets(templates_dir)[preset])
+    given = ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch")
+    if any(k in explicit for k in given) and "error" not in sizes:
+        cfg = merge(cfg, {"train_micro_batch_size_per_gpu": sizes["micro_batch"],
+                          "gradient_accumulation_steps": sizes["grad_accum"],
+                          "train_batch_size": sizes["train_batch"]})
+    cfg = merge(cfg, overrides)
+    _checked_batch(cfg, world, problems, "dsc_ds_config_file" if user_config is not None else "ds_config")
+    return cfg
+
+
+def read_user_config(path, problems):
+    """The user's ds_config.json on the control node, or None with a problem."""
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except OSError as e:
+        problems.add(f"dsc_ds_config_file is {path!r}: {e.strerror}. Fix: the path of your "
+                     f"ds_config.json on the control node.")
+        return None
+    except ValueError as e:
+        problems.add(f"dsc_ds_config_file {path!r} is not JSON ({e}). Fix: a DeepSpeed config "
+                     f"as JSON (DeepSpeed's own format, not HJSON or YAML).")
+        return None
+    if not isinstance(cfg, dict):
+        problems.add(f"dsc_ds_config_file {path!r} holds a {type(cfg).__name__}, not a JSON "
+                     f"object. Fix: a DeepSpeed config such as {{\"zero_optimization\": ...}}.")
+        return None
+    return cfg
+
+
 def parse_hostfile(text):
     """Parse a hostfile exactly as deepspeed.launcher.runner.fetch_hostfile does; raise on error."""
     hosts = []
@@ -515,11 +587,38 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
                      f"config keys, e.g. {{zero_optimization: {{stage: 1}}}}.")
         overrides = {}
+    mode = str(opt["dsc_ds_config_mode"])
+    if mode not in CONFIG_MODES:
+        problems.add(f"dsc_ds_config_mode is {mode!r}. Fix: one of {', '.join(CONFIG_MODES)} "
+                     f"(preset: the toolkit's; file: your ds_config.json; hf: HF Trainer or "
+                     f"accelerate, 'auto' values kept; none: the script configures DeepSpeed).")
+        mode = "preset"
+    config_arg = str(opt["dsc_ds_config_arg"] or "") or CONFIG_ARGS[mode]
+    if config_arg not in ("--deepspeed_config", "--deepspeed", "none", ""):
+        problems.add(f"dsc_ds_config_arg is {config_arg!r}. Fix: --deepspeed_config "
+                     f"(DeepSpeed-style scripts), --deepspeed (HF Trainer, accelerate) or none.")
+    config_arg = "" if config_arg == "none" or mode == "none" else config_arg
+    user_file = str(opt["dsc_ds_config_file"] or "")
+    user_config = None
+    if mode == "file" and not user_file:
+        problems.add("dsc_ds_config_file is empty but dsc_ds_config_mode is 'file'. Fix: the path "
+                     "of your ds_config.json on the control node.")
+    elif mode in ("file", "hf") and user_file:
+        user_config = read_user_config(user_file, problems)
+    resume_args = opt["dsc_resume_args"]
+    if not isinstance(resume_args, list) or not all(DS_ENV_SAFE.match(str(a)) for a in resume_args):
+        problems.add(f"dsc_resume_args is {resume_args!r}. Fix: a list of the arguments the script "
+                     f"takes to resume ([] for a script that resumes from its own output dir), "
+                     f"letters, digits and '@%+=:,./-_' only.")
+        resume_args = []
+    resume_args = [str(a) for a in resume_args]
     sizes = {}
     if plan["world_size"] is not None:  # None: the nodes' own problems come first
         sizes = batch(opt["dsc_micro_batch"], opt["dsc_grad_accum"], opt["dsc_train_batch"],
                       plan["world_size"])
-        if "error" in sizes:
+        # The toolkit's batch applies to presets, and to a user's config only where given (-e).
+        if "error" in sizes and (mode == "preset" or any(
+                k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
             problems.add(sizes["error"])
     seen = {r["id"]: r for r in runs_seen}
     active = [r["id"] for r in runs_seen if r.get("active")]
@@ -546,8 +645,9 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if problems.messages:
         return None
     run_dir = f"{plan['run_root']}/{run_id}"
-    config = ds_config(paths["templates"], preset, plan["accelerator"],
-                       [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides)
+    config = compose_config(mode, paths["templates"], preset, set(options), plan["accelerator"],
+                            [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides,
+                            user_config, plan["world_size"], problems)
     # The code lands in <run_dir>/code; a package entry (train.run from train/) keeps its folder
     # name so that `python -m train.run` finds it.
     code_base = os.path.basename(os.path.normpath(code_dir))
@@ -561,9 +661,9 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if plan["num_nodes"] == 1:
         launcher += ["--no_ssh_check"]
     program = ([script] if script else ["--module", module]) \
-        + ["--deepspeed_config", f"{run_dir}/ds_config.json"] \
+        + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg else []) \
         + (["--config", f"{run_dir}/train.json"] if module == "train.run" and not script else []) \
-        + entry_args + (["--resume"] if resume else [])
+        + entry_args + (resume_args if resume else [])
     hostfile = render(paths["templates"], "hostfile.j2", nodes=plan["nodes"])
     env_text = render(paths["templates"], "deepspeed_env.j2", env=env)
     try:
@@ -588,12 +688,13 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "follow": _bool(opt["follow"]), "preflight": _bool(opt["preflight"]),
         "max_restarts": int(opt["max_restarts"]),
         "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
-        "ds_config": config, "code_dir": code_dir, "code_shared": code_shared,
+        "ds_config": config, "config_mode": mode, "resume_args": resume_args,
+        "code_dir": code_dir, "code_shared": code_shared,
         "code_dest": f"{run_dir}/code/{code_base}" if package_dir else f"{run_dir}/code",
         "workdir": workdir, "env": env, "commands": commands, "code_archive": archive,
         # Written into the run directory on every node (name -> text).
         "files": {
-            "ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n",
+            **({"ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"} if config else {}),
             "hostfile": hostfile,
             "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
             "run_id": run_id + "\n",

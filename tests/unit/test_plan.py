@@ -360,3 +360,78 @@ def test_resume_reuses_the_runs_launch_spec(tmp_path):
                                            "--epochs", "2", "--resume"]
     more, errors = plan(options={"resume": True, "dsc_entry_args": ["--epochs", "3"]}, full_run=True, runs=runs)
     assert more["run"]["commands"]["node1"][-3:] == ["--epochs", "3", "--resume"]  # given explicitly: wins
+
+
+USER_CONFIG = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+               "fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+
+
+def user_file(tmp_path, cfg=USER_CONFIG):
+    path = tmp_path / "ds_config.json"
+    path.write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    return str(path)
+
+
+def test_file_mode_keeps_the_users_config(tmp_path):
+    p, errors = plan(options={"dsc_ds_config_mode": "file", "dsc_ds_config_file": user_file(tmp_path)},
+                     full_run=True)
+    assert errors == []
+    cfg = json.loads(p["run"]["files"]["ds_config.json"])
+    assert cfg == USER_CONFIG  # no preset, batch or optimizer of the toolkit's slipped in
+    assert "--deepspeed_config" in p["run"]["commands"]["node1"]
+
+
+def test_file_mode_merges_an_explicit_preset_and_overrides_on_top(tmp_path):
+    p, errors = plan(options={"dsc_ds_config_mode": "file", "dsc_ds_config_file": user_file(tmp_path),
+                              "preset": "zero2", "dsc_ds_config_overrides": {"gradient_clipping": 0.5}},
+                     full_run=True)
+    cfg = json.loads(p["run"]["files"]["ds_config.json"])
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["scheduler"]["type"] == "WarmupLR"
+    assert cfg["gradient_clipping"] == 0.5 and cfg["optimizer"]["params"]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "is not JSON"),
+    ("[1, 2]", "holds a list, not a JSON object"),
+    (dict(USER_CONFIG, train_batch_size=16), "train_batch_size 16 is not train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size 4 = 32"),
+])
+def test_a_bad_user_config_is_refused(tmp_path, content, needle):
+    p, errors = plan(options={"dsc_ds_config_mode": "file", "dsc_ds_config_file": user_file(tmp_path, content)},
+                     full_run=True)
+    assert p is None and any(needle in e and "Fix:" in e for e in errors), errors
+
+
+def test_missing_user_config_and_unknown_mode_are_refused(tmp_path):
+    p, errors = plan(options={"dsc_ds_config_mode": "file", "dsc_ds_config_file": str(tmp_path / "nope.json")},
+                     full_run=True)
+    assert any("dsc_ds_config_file is" in e and "No such file" in e for e in errors)
+    p, errors = plan(options={"dsc_ds_config_mode": "yaml"}, full_run=True)
+    assert any("dsc_ds_config_mode is 'yaml'" in e for e in errors)
+
+
+def test_hf_mode_keeps_auto_values_and_passes_deepspeed(tmp_path):
+    p, errors = plan(options={"dsc_ds_config_mode": "hf", "preset": "zero3"}, full_run=True)
+    assert errors == []
+    cfg = json.loads(p["run"]["files"]["ds_config.json"])
+    assert cfg["train_batch_size"] == "auto" and cfg["bf16"] == {"enabled": "auto"}
+    assert "optimizer" not in cfg and cfg["zero_optimization"]["stage"] == 3
+    cmd = p["run"]["commands"]["node1"]
+    assert cmd[cmd.index("--deepspeed") + 1] == f"{p['run']['dir']}/ds_config.json"
+    assert "--deepspeed_config" not in cmd
+
+
+def test_hf_mode_checks_numbers_the_users_file_gives(tmp_path):
+    auto = dict(USER_CONFIG, train_batch_size="auto", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps="auto")
+    p, errors = plan(options={"dsc_ds_config_mode": "hf", "dsc_ds_config_file": user_file(tmp_path, auto)},
+                     full_run=True)
+    assert errors == [] and json.loads(p["run"]["files"]["ds_config.json"])["train_batch_size"] == "auto"
+
+
+def test_none_mode_passes_no_config_and_resume_args_are_a_setting():
+    p, errors = plan(options={"dsc_ds_config_mode": "none", "dsc_resume_args": []}, full_run=True)
+    assert errors == [] and "ds_config.json" not in p["run"]["files"]
+    cmd = p["run"]["commands"]["node1"]
+    assert not any(a.startswith("--deepspeed") for a in cmd)
+    assert p["run"]["resume_args"] == []
