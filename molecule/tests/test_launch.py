@@ -128,3 +128,19 @@ def _stop_and_resume(cluster):
     assert summary["start_step"] == saved and summary["steps"] == saved + 4
     log = cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/launcher.log").stdout
     assert "resume: loaded" in log
+
+
+def test_a_users_own_ds_config_is_used_and_validated_by_deepspeed(provisioned, cluster, tmp_path):
+    """File mode: the user's config reaches every node as written (no preset, optimizer or batch
+    of the toolkit's), and DeepSpeed's own config classes accept it (dry run)."""
+    own = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+           "zero_optimization": {"stage": 1}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(own))
+    r = cluster.playbook("launch.yml", "-e", "dry_run=true", "-e", "run_id=dry-own-config",
+                         "-e", "dsc_ds_config_mode=file", "-e", f"dsc_ds_config_file={tmp_path}/ds_config.json")
+    assert r.returncode == 0, r.output[-3000:]
+    assert "Validate ds_config.json with DeepSpeed's own config classes" in r.output
+    for n in cluster.names:
+        assert json.loads(cluster.exec(n, "cat /opt/dscluster/runs/dry-own-config/ds_config.json").stdout) == own
