@@ -11,7 +11,7 @@ spawning DeepSpeed's launcher (the mtime of launcher.child in the run directory,
 after the spawn; the containers share this machine's clock); `first_step_s` is to the first line of
 metrics.jsonl. The hand-run side is what a user types after provisioning: as the training user on
 the master, in a run directory already in place, `deepspeed --hostfile ... --module train.run`.
-Reps alternate so that neither side gets a warmer machine. Prints a table and writes
+Reps alternate which side goes first, so that neither always gets the warmer machine. Prints a table and writes
 bench/results/launch.json. Provisions both clusters first when needed.
 """
 import argparse
@@ -124,10 +124,18 @@ def measure(name, c, addr, reps, train=TRAIN):
         sys.exit(r.output[-3000:])
     stamp = time.strftime("%H%M%S")
     playbook, hand, status = [], [], []
+    template = None
     for i in range(reps):
         pb_id = f"bench-pb-{stamp}-{i}"
-        playbook.append(via_playbook(c, pb_id, train))
-        hand.append(by_hand(c, pb_id, f"bench-hand-{stamp}-{i}", addr))
+        # Alternate which side goes first, so that neither always finds the warmer machine
+        # (the hand-run side copies a run directory the playbook rendered: rep 0 starts there).
+        if i % 2 == 0 or template is None:
+            playbook.append(via_playbook(c, pb_id, train))
+            hand.append(by_hand(c, pb_id, f"bench-hand-{stamp}-{i}", addr))
+        else:
+            hand.append(by_hand(c, template, f"bench-hand-{stamp}-{i}", addr))
+            playbook.append(via_playbook(c, pb_id, train))
+        template = template or pb_id
         status.append(status_time(c, pb_id))
         print(f"{name} rep {i}: Ansible before DeepSpeed {playbook[-1]['ansible_s']:.1f} s, "
               f"first step {playbook[-1]['first_step_s']:.1f} s (by hand {hand[-1]['first_step_s']:.1f} s), "

@@ -26,8 +26,8 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py active RUN_ROOT               # the run whose supervisor is alive, if any
 """
 import base64
-import errno
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -40,6 +40,17 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+
+
+# Where provision.yml installs this helper on every node (root-owned; the plan reads it from here).
+INSTALLED_PATH = "/usr/local/lib/dscluster/dsc_node.py"
+
+
+def sha256(path):
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 class RunDir:
@@ -175,7 +186,8 @@ def probe(argv):
     ib = Path("/sys/class/infiniband")
     return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "gpus": gpus(),
             "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
-            "runs": runs(run_root) if run_root else []}
+            "runs": runs(run_root) if run_root else [],
+            "helper_sha256": sha256(INSTALLED_PATH)}
 
 
 VERSIONS = r"""

@@ -32,5 +32,5 @@ def test_every_playbook_validates_first(cluster, playbook):
     r = cluster.playbook(playbook, "-e", json.dumps({"dsc_slots": 0, "run_id": "../../tmp/x"}))
     assert r.returncode != 0 and "dsc_slots on host node1 is 0" in r.output, r.output[-3000:]
     assert "run_id is '../../tmp/x'" in r.output, r.output[-3000:]
-    assert "Check that Ansible reaches the node" not in r.output  # stopped in the plan
+    assert "Record whether the plan's probe reached the node" not in r.output  # stopped in the plan
     assert all(v.get("changed", 0) == 0 for v in r.recap.values()), r.recap

@@ -90,11 +90,24 @@ USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
 HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
-NODE_HELPER = "/usr/local/lib/dscluster/dsc_node.py"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # fp16 with dynamic loss scaling, for GPUs without bf16 (compute capability below 8.0).
 FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
         "hysteresis": 2, "min_loss_scale": 1}
+
+
+def node_helper(path):
+    """node/dsc_node.py as a module (standard library only): where it is installed, its layout."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dsc_node", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def file_sha256(path):
+    import hashlib
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def read_pins(path):
@@ -322,6 +335,8 @@ def _nodes(names, hostvars, defaults, probes, problems):
             "driver": (gpus[0].get("driver") if gpus else "") or "",
             "iface": interface_for(addr, probe.get("interfaces") or {}),
             "infiniband": bool(probe.get("infiniband")), "reachable": reachable,
+            # The node helper installed there is this repository's (else launch installs it).
+            "helper_sha256": probe.get("helper_sha256"),
         })
     return nodes
 
@@ -772,6 +787,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                 problems.add(problem)
         return None, problems.messages
 
+    helper_src = str(Path(paths["repo"]) / "node" / "dsc_node.py")
+    helper = node_helper(helper_src).INSTALLED_PATH
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
     prefix, python = _env_paths(s, install_root)
     cache_dir = f"{install_root}/cache"
@@ -828,7 +845,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],
         "node_env": node_env, "rank_env": rank_env,
-        "helper": NODE_HELPER, "helper_src": str(Path(paths["repo"]) / "node" / "dsc_node.py"),
+        "helper": helper, "helper_src": helper_src, "helper_sha256": file_sha256(helper_src),
         "runs": (probes.get(nodes[0]["name"]) or {}).get("runs") or [],
         "run": None,
     }
