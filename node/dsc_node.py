@@ -76,18 +76,27 @@ class RunDir:
         return self.path / name
 
 
+def become(user):
+    """A preexec function that drops root to `user` (None when no change is needed)."""
+    if not user or os.geteuid() != 0:
+        return None
+    import pwd
+    pw = pwd.getpwnam(user)
+
+    def drop():
+        os.setgroups([])
+        os.setgid(pw.pw_gid)
+        os.setuid(pw.pw_uid)
+    return drop
+
+
 def run(cmd, timeout=60, env=None, user=None):
     """cmd's (exit code, stdout, stderr); as `user` when given and this helper is root."""
-    drop = None
-    if user and os.geteuid() == 0:
+    drop = become(user)
+    if drop:
         import pwd
-        pw = pwd.getpwnam(user)
-        env = dict(env or os.environ, HOME=pw.pw_dir, USER=user, LOGNAME=user)
-
-        def drop():
-            os.setgroups([])
-            os.setgid(pw.pw_gid)
-            os.setuid(pw.pw_uid)
+        home = pwd.getpwnam(user).pw_dir
+        env = dict(env or os.environ, HOME=home, USER=user, LOGNAME=user)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                            preexec_fn=drop)

@@ -1,7 +1,6 @@
 """provision.yml on the container cluster: converge, idempotence, and what each node ends with."""
 import json
 
-import pytest
 
 from cluster import PINS
 

@@ -18,12 +18,16 @@ must be the same on every node is reported once, not once per node.
 """
 from __future__ import annotations
 
+import base64
 import copy
+import importlib.util
+import io
 import ipaddress
 import json
 import os
 import posixpath
 import re
+import tarfile
 from pathlib import Path
 
 CLUSTER_GROUP = "cluster"
@@ -98,16 +102,10 @@ FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_sc
 
 def node_helper(path):
     """node/dsc_node.py as a module (standard library only): where it is installed, its layout."""
-    import importlib.util
     spec = importlib.util.spec_from_file_location("dsc_node", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def file_sha256(path):
-    import hashlib
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def read_pins(path):
@@ -539,23 +537,22 @@ def render(templates_dir, name, **values):
     return env.get_template(name).render(**values)
 
 
-def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True):
-    """The run's part of the plan: id, directory, ds_config, files and the launcher command."""
+def _run_options(options, defaults, runs_seen):
+    """The run options: given ones, else the resumed run's launch spec, else the defaults."""
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
     opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
-    resume = _bool(opt["resume"])
-    if resume:  # the run's own launch spec: the same entry, arguments, preset and batch, except
-        # what this command gives explicitly (-e), e.g. more steps
+    if _bool(opt["resume"]):  # the run's own launch spec: the same entry, arguments, preset and
+        # batch, except what this command gives explicitly (-e), e.g. more steps
         wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
         spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
         opt.update({k: v for k, v in spec.items() if k in LAUNCH_SPEC and k not in options})
-    known = presets(paths["templates"])
-    preset = str(opt["preset"])
-    if preset not in known:
-        problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
-                     f"templates/ds_config/{preset}.json).")
+    return opt
+
+
+def _run_id(opt, preset, plan, runs_seen, now, problems):
+    """The run id: given, else (resume) the newest run, else <preset>-<UTC time>; checked."""
     run_id = str(opt["run_id"] or "")
-    if not run_id and resume:
+    if not run_id and _bool(opt["resume"]):
         run_id = runs_seen[0]["id"] if runs_seen else ""
         if not run_id:
             problems.add(f"run_id: no run to resume under {plan['run_root']} on "
@@ -565,20 +562,23 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if not RUN_ID.match(run_id) or run_id in (".", ".."):
         problems.add(f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and '-', "
                      f"starting with a letter or digit (it names a directory on every node).")
-    for var in ("max_restarts", "restart_backoff_s"):
-        if not _is_int(opt[var]) or int(opt[var]) < 0:
-            problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
-    entry_args = opt["dsc_entry_args"]
-    if not isinstance(entry_args, list):
-        problems.add(f"dsc_entry_args is {entry_args!r}. Fix: a list of arguments, e.g. "
-                     f"['--set', 'steps=100'].")
-        entry_args = []
-    entry_args = [str(a) for a in entry_args]
-    for arg in entry_args:
-        if not DS_ENV_SAFE.match(arg):
-            problems.add(f"dsc_entry_args holds {arg!r}. Fix: letters, digits and "
-                         f"'@%+=:,./-_' only (the pdsh launcher passes arguments through a "
-                         f"shell on every node).")
+    return run_id
+
+
+def _arguments(value, var, example, problems):
+    """A list of command-line arguments in the charset DeepSpeed's pdsh runner passes safely."""
+    if not isinstance(value, list):
+        problems.add(f"{var} is {value!r}. Fix: a list of arguments, e.g. {example}.")
+        return []
+    for arg in value:
+        if not DS_ENV_SAFE.match(str(arg)):
+            problems.add(f"{var} holds {str(arg)!r}. Fix: letters, digits and '@%+=:,./-_' only "
+                         f"(the pdsh launcher passes arguments through a shell on every node).")
+    return [str(a) for a in value]
+
+
+def _entry(opt, paths, problems):
+    """What the launcher starts: a module or a script inside the code directory, its arguments."""
     module, script = str(opt["dsc_entry_module"] or ""), str(opt["dsc_entry_script"] or "")
     if script and (posixpath.isabs(script) or ".." in script.split("/")
                    or not re.fullmatch(r"[A-Za-z0-9._/-]+", script)):
@@ -587,9 +587,9 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if not script and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module):
         problems.add(f"dsc_entry_module is {module!r}. Fix: a Python module name such as "
                      f"train.run, or set dsc_entry_script.")
-    code_shared = _bool(opt["dsc_code_shared"])
+    shared = _bool(opt["dsc_code_shared"])
     code_dir = str(opt["dsc_code_dir"] or "") or str(Path(paths["repo"]) / "train")
-    if code_shared:
+    if shared:
         _abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)")
     elif not os.path.isdir(code_dir):
         problems.add(f"dsc_code_dir is {code_dir!r}, which is not a directory on the control "
@@ -597,11 +597,15 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     elif script and not os.path.isfile(os.path.join(code_dir, script)):
         problems.add(f"dsc_entry_script is {script!r}, which is not in dsc_code_dir "
                      f"({code_dir}). Fix: a path relative to that directory.")
-    overrides = opt["dsc_ds_config_overrides"] or {}
-    if not isinstance(overrides, dict):
-        problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
-                     f"config keys, e.g. {{zero_optimization: {{stage: 1}}}}.")
-        overrides = {}
+    return {"module": module, "script": script, "code_dir": code_dir, "shared": shared,
+            "args": _arguments(opt["dsc_entry_args"], "dsc_entry_args", "['--set', 'steps=100']", problems),
+            "resume_args": _arguments(opt["dsc_resume_args"], "dsc_resume_args",
+                                      "['--resume'], or [] for a script that resumes from its own "
+                                      "output dir", problems)}
+
+
+def _config_choice(opt, problems):
+    """(mode, how the file reaches the script, the user's ds_config or None)."""
     mode = str(opt["dsc_ds_config_mode"])
     if mode not in CONFIG_MODES:
         problems.add(f"dsc_ds_config_mode is {mode!r}. Fix: one of {', '.join(CONFIG_MODES)} "
@@ -613,28 +617,17 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         problems.add(f"dsc_ds_config_arg is {config_arg!r}. Fix: --deepspeed_config "
                      f"(DeepSpeed-style scripts), --deepspeed (HF Trainer, accelerate) or none.")
     config_arg = "" if config_arg == "none" or mode == "none" else config_arg
-    user_file = str(opt["dsc_ds_config_file"] or "")
-    user_config = None
+    user_file, user_config = str(opt["dsc_ds_config_file"] or ""), None
     if mode == "file" and not user_file:
         problems.add("dsc_ds_config_file is empty but dsc_ds_config_mode is 'file'. Fix: the path "
                      "of your ds_config.json on the control node.")
     elif mode in ("file", "hf") and user_file:
         user_config = read_user_config(user_file, problems)
-    resume_args = opt["dsc_resume_args"]
-    if not isinstance(resume_args, list) or not all(DS_ENV_SAFE.match(str(a)) for a in resume_args):
-        problems.add(f"dsc_resume_args is {resume_args!r}. Fix: a list of the arguments the script "
-                     f"takes to resume ([] for a script that resumes from its own output dir), "
-                     f"letters, digits and '@%+=:,./-_' only.")
-        resume_args = []
-    resume_args = [str(a) for a in resume_args]
-    sizes = {}
-    if plan["world_size"] is not None:  # None: the nodes' own problems come first
-        sizes = batch(opt["dsc_micro_batch"], opt["dsc_grad_accum"], opt["dsc_train_batch"],
-                      plan["world_size"])
-        # The toolkit's batch applies to presets, and to a user's config only where given (-e).
-        if "error" in sizes and (mode == "preset" or any(
-                k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
-            problems.add(sizes["error"])
+    return mode, config_arg, user_config
+
+
+def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
+    """An active run (unless replace), a resume of an unknown run, a new run in a used directory."""
     seen = {r["id"]: r for r in runs_seen}
     active = [r["id"] for r in runs_seen if r.get("active")]
     if refuse_active and active and active[0] != run_id and not _bool(opt["replace"]) \
@@ -642,43 +635,19 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "
                      f"(ansible-playbook stop.yml -e run_id={active[0]}), or launch with "
                      f"-e replace=true to stop and replace it.")
-    if resume and run_id not in seen and run_id:
+    if _bool(opt["resume"]) and run_id not in seen and run_id:
         problems.add(f"run_id {run_id!r}: no such run under {plan['run_root']} on "
                      f"{plan['master']} to resume. Fix: the id of an earlier run "
                      f"({', '.join(list(seen)[:5]) or 'none there'}).")
-    elif not resume and seen.get(run_id, {}).get("started"):
+    elif not _bool(opt["resume"]) and seen.get(run_id, {}).get("started"):
         problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} already holds a run (its "
                      f"metrics and checkpoints would mix with a new run's). Fix: resume it "
                      f"(ansible-playbook resume.yml -e run_id={run_id}) or launch with another "
                      f"run_id.")
-    archive = ""
-    if not code_shared and not resume and os.path.isdir(code_dir):
-        try:
-            archive = code_archive(code_dir)
-        except ValueError as e:
-            problems.add(str(e))
-    if problems.messages:
-        return None
-    run_dir = f"{plan['run_root']}/{run_id}"
-    config = compose_config(mode, paths["templates"], preset, set(options), plan["accelerator"],
-                            [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides,
-                            user_config, plan["world_size"], problems)
-    # The code lands in <run_dir>/code; a package entry (train.run from train/) keeps its folder
-    # name so that `python -m train.run` finds it.
-    code_base = os.path.basename(os.path.normpath(code_dir))
-    package_dir = not script and module.split(".")[0] == code_base
-    workdir = code_dir if code_shared else f"{run_dir}/code"
-    env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
-    launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
-                "--hostfile", f"{run_dir}/hostfile", "--master_addr", plan["master_addr"]]
-    if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
-        launcher += ["--ssh_port", str(plan["ssh_ports"][0])]
-    if plan["num_nodes"] == 1:
-        launcher += ["--no_ssh_check"]
-    program = ([script] if script else ["--module", module]) \
-        + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg else []) \
-        + (["--config", f"{run_dir}/train.json"] if module == "train.run" and not script else []) \
-        + entry_args + (resume_args if resume else [])
+
+
+def _rendered(paths, plan, env, problems):
+    """The hostfile and .deepspeed_env from templates/, checked with DeepSpeed's own parsing."""
     hostfile = render(paths["templates"], "hostfile.j2", nodes=plan["nodes"])
     env_text = render(paths["templates"], "deepspeed_env.j2", env=env)
     try:
@@ -691,22 +660,86 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     except ValueError as e:
         problems.add(f"a rendered template breaks DeepSpeed's parser: {e}. Fix: restore "
                      f"templates/hostfile.j2 or templates/deepspeed_env.j2.")
-    commands = {}
-    for node in plan["nodes"]:
-        if s["dsc_launch_mode"] == "no_ssh":
-            commands[node["name"]] = launcher + ["--no_ssh", "--node_rank", str(node["rank"])] + program
-        elif node["rank"] == 0:
-            commands[node["name"]] = launcher + program
+    return hostfile, env_text
+
+
+def _commands(plan, s, run_dir, entry, config_arg, resume):
+    """{node: the DeepSpeed launcher's argv}: the master alone (pdsh), or every node (no_ssh)."""
+    launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
+                "--hostfile", f"{run_dir}/hostfile", "--master_addr", plan["master_addr"]]
+    if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
+        launcher += ["--ssh_port", str(plan["ssh_ports"][0])]
+    if plan["num_nodes"] == 1:
+        launcher += ["--no_ssh_check"]
+    train_run = entry["module"] == "train.run" and not entry["script"]
+    program = ([entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
+        + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg else []) \
+        + (["--config", f"{run_dir}/train.json"] if train_run else []) \
+        + entry["args"] + (entry["resume_args"] if resume else [])
+    if s["dsc_launch_mode"] == "no_ssh":
+        return {n["name"]: launcher + ["--no_ssh", "--node_rank", str(n["rank"])] + program
+                for n in plan["nodes"]}
+    return {plan["master"]: launcher + program}
+
+
+def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True):
+    """The run's part of the plan: id, directory, ds_config, files and the launcher command."""
+    opt = _run_options(options, defaults, runs_seen)
+    resume = _bool(opt["resume"])
+    known = presets(paths["templates"])
+    preset = str(opt["preset"])
+    if preset not in known:
+        problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
+                     f"templates/ds_config/{preset}.json).")
+    run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
+    for var in ("max_restarts", "restart_backoff_s"):
+        if not _is_int(opt[var]) or int(opt[var]) < 0:
+            problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
+    entry = _entry(opt, paths, problems)
+    overrides = opt["dsc_ds_config_overrides"] or {}
+    if not isinstance(overrides, dict):
+        problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
+                     f"config keys, e.g. {{zero_optimization: {{stage: 1}}}}.")
+        overrides = {}
+    mode, config_arg, user_config = _config_choice(opt, problems)
+    sizes = {}
+    if plan["world_size"] is not None:  # None: the nodes' own problems come first
+        sizes = batch(opt["dsc_micro_batch"], opt["dsc_grad_accum"], opt["dsc_train_batch"],
+                      plan["world_size"])
+        # The toolkit's batch applies to presets, and to a user's config only where given (-e).
+        if "error" in sizes and (mode == "preset" or any(
+                k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
+            problems.add(sizes["error"])
+    _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems)
+    archive = ""
+    if not entry["shared"] and not resume and os.path.isdir(entry["code_dir"]):
+        try:
+            archive = code_archive(entry["code_dir"])
+        except ValueError as e:
+            problems.add(str(e))
+    if problems.messages:
+        return None
+    run_dir = f"{plan['run_root']}/{run_id}"
+    config = compose_config(mode, paths["templates"], preset, set(options), plan["accelerator"],
+                            [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides,
+                            user_config, plan["world_size"], problems)
+    # The code lands in <run_dir>/code; a package entry (train.run from train/) keeps its folder
+    # name so that `python -m train.run` finds it.
+    code_base = os.path.basename(os.path.normpath(entry["code_dir"]))
+    package_dir = not entry["script"] and entry["module"].split(".")[0] == code_base
+    env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
+    hostfile, env_text = _rendered(paths, plan, env, problems)
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume,
         "replace": _bool(opt["replace"]), "dry_run": _bool(opt["dry_run"]),
         "follow": _bool(opt["follow"]), "preflight": _bool(opt["preflight"]),
         "max_restarts": int(opt["max_restarts"]),
         "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
-        "ds_config": config, "config_mode": mode, "resume_args": resume_args,
-        "code_dir": code_dir, "code_shared": code_shared,
+        "ds_config": config, "config_mode": mode, "resume_args": entry["resume_args"],
+        "code_dir": entry["code_dir"], "code_shared": entry["shared"],
         "code_dest": f"{run_dir}/code/{code_base}" if package_dir else f"{run_dir}/code",
-        "workdir": workdir, "env": env, "commands": commands, "code_archive": archive,
+        "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/code", "env": env,
+        "commands": _commands(plan, s, run_dir, entry, config_arg, resume), "code_archive": archive,
         # Written into the run directory on every node (name -> text).
         "files": {
             **({"ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"} if config else {}),
@@ -734,9 +767,6 @@ def run_reference(run_id, runs, run_root):
 
 def code_archive(code_dir, limit=64 * 2**20):
     """The code directory as base64 of a tar.gz (caches and VCS folders left out), or raise."""
-    import base64
-    import io
-    import tarfile
 
     def keep(info):
         parts = info.name.split("/")
@@ -788,7 +818,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         return None, problems.messages
 
     helper_src = str(Path(paths["repo"]) / "node" / "dsc_node.py")
-    helper = node_helper(helper_src).INSTALLED_PATH
+    helper_module = node_helper(helper_src)
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
     prefix, python = _env_paths(s, install_root)
     cache_dir = f"{install_root}/cache"
@@ -845,7 +875,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],
         "node_env": node_env, "rank_env": rank_env,
-        "helper": helper, "helper_src": helper_src, "helper_sha256": file_sha256(helper_src),
+        "helper": helper_module.INSTALLED_PATH, "helper_src": helper_src,
+        "helper_sha256": helper_module.sha256(helper_src),
         "runs": (probes.get(nodes[0]["name"]) or {}).get("runs") or [],
         "run": None,
     }
