@@ -67,6 +67,7 @@ class RunDir:
     PORT = "master_port"
     LAUNCH = "launch.json"        # what the run was launched with (resume and restarts reuse it)
     CODE = "code"
+    ATTEMPT = "attempt.json"      # the current attempt and where its output starts in the log
     LOCK = ".launch.lock"         # in the run root: one launch at a time
 
     def __init__(self, path):
@@ -422,7 +423,7 @@ def procs(run_id):
             continue
         except OSError:  # gone meanwhile
             continue
-        out.append({"pid": int(d.name), "cmd": cmd[:300]})
+        out.append({"pid": int(d.name), "cmd": cmd[:300], "ppid": parent(d)})
     if blind:
         raise Blind(f"cannot read the environment of {len(blind)} processes (e.g. pid {blind[0]}: "
                     f"permission denied); run the helper as the user who owns the run")
@@ -440,9 +441,18 @@ def is_supervisor(p):
     return "dsc_node.py" in p["cmd"] and SUPERVISOR in p["cmd"]
 
 
-def is_rank(p):
-    return " -m deepspeed.launcher" not in p["cmd"] and not RUNNER.search(p["cmd"]) \
-        and "dsc_node.py" not in p["cmd"] and "python" in p["cmd"]
+def parent(proc_dir):
+    try:  # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def ranks_of(ps):
+    """The ranks among a run's processes: children of a node's launch.py (DeepSpeed's per-node
+    launcher), not their DataLoader workers."""
+    launchers = {p["pid"] for p in ps if "deepspeed.launcher.launch" in p["cmd"]}
+    return [p for p in ps if p.get("ppid") in launchers]
 
 
 def signal_all(pids, sig):
@@ -491,21 +501,39 @@ def stop(run_id, grace, run_dir=None):
     return {"found": len(found), "left": len(left), "left_pids": [p["pid"] for p in left]}
 
 
-def first_error(log):
+# A Python exception's last line as pdsh passes it on ("node2: ValueError: ..."), with the
+# "[rankN]:" prefix torch's elastic logging adds.
+EXCEPTION = re.compile(r"^(?:(\S+): )?(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def first_error(log, offset=0):
+    """(the first error of the attempt whose output starts at offset, that node's traceback):
+    the first exception line (type and message, with the node that printed it), else the first
+    line that looks like an error; the traceback is up to 20 lines of that node's output before
+    it, from its "Traceback" line."""
     try:
-        with open(log, errors="replace") as f:
-            for line in f:
-                if ERROR_LINE.search(line) and "UserWarning" not in line:
-                    return line.strip()[:400]
+        with open(log, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
-        pass
-    return None
+        return None, []
+    for i, line in enumerate(lines):
+        m = EXCEPTION.match(line.strip())
+        if m and "Warning" not in line:
+            node = m.group(1)
+            own = [x for x in lines[:i] if node is None or x.startswith(node + ": ")]
+            start = max((j for j, x in enumerate(own) if "Traceback" in x), default=len(own))
+            return line.strip()[:400], (own[start:] + [line])[-20:]
+    for line in lines:
+        if ERROR_LINE.search(line) and "UserWarning" not in line:
+            return line.strip()[:400], []
+    return None, []
 
 
 def status(run_dir, run_id):
     run = RunDir(run_dir)
     ps = procs(run_id)
-    ranks = sum(1 for p in ps if is_rank(p))
+    ranks = len(ranks_of(ps))
     launcher = pid_alive(run / RunDir.PID)
     code = (run / RunDir.EXIT).read_text().strip() if (run / RunDir.EXIT).exists() else None
     # A worker has no launcher of its own (pdsh starts its ranks): its ranks say it runs, and
@@ -529,16 +557,17 @@ def status(run_dir, run_id):
         last = json.loads(lines[-1]) if lines else None
     restarts = (run / RunDir.RESTARTS).read_text().strip() if (run / RunDir.RESTARTS).exists() else "0"
     failure = read_json(run / RunDir.FAILURE)
-    error = None
+    error, trace = None, []
     if state in ("failed", "lost"):
-        error = first_error(run / RunDir.LOG)
+        offset = (read_json(run / RunDir.ATTEMPT) or {}).get("offset", 0)
+        error, trace = first_error(run / RunDir.LOG, offset)
         if failure:
             error = f"{failure['message']}; first error: {error}" if error else failure["message"]
     return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
             "launcher_pid": launcher, "ranks_alive": ranks,
             "processes": len(ps), "last": last, "restarts": int(restarts),
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
-            "first_error": error}
+            "first_error": error, "traceback": trace}
 
 
 def failure_event(line):
@@ -580,11 +609,10 @@ def teardown(run_id, hosts, run_dir=None):
     return stop(run_id, 5.0, run_dir)
 
 
-def watch(child, run, run_id, hosts, grace=3.0):
+def watch(child, run, run_id, hosts, pos, grace=3.0):
     """Wait for the launcher; when a node fails and the run has not ended grace seconds later
     (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere."""
     log = run / RunDir.LOG
-    pos = log.stat().st_size if log.exists() else 0
     events, deadline, torn = [], None, None
     while True:
         code = child.poll()
@@ -692,9 +720,13 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=()):
     restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0
     attempt = list(cmd)
     while True:
+        # Where this attempt's output starts, taken before the spawn: its first failure line is
+        # never missed, and status reads the latest attempt's error, not an earlier one's.
+        offset = (run / RunDir.LOG).stat().st_size
+        write_atomic(run / RunDir.ATTEMPT, json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
         child = subprocess.Popen(attempt, env=env, stdin=subprocess.DEVNULL)
         (run / RunDir.CHILD).write_text(str(child.pid))
-        code, cause, torn = watch(child, run, run_id, list(hosts))
+        code, cause, torn = watch(child, run, run_id, list(hosts), offset)
         if cause:
             write_atomic(run / RunDir.FAILURE, json.dumps(dict(
                 cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")

@@ -140,3 +140,19 @@ def test_an_iperf3_server_killed_mid_measurement_is_a_warn_row(provisioned, clus
     s = report["summary"]
     assert s["pass"] + s["warn"] + s["fail"] == len(report["checks"])
     assert f"{s['pass']} passed, {s['warn']} warnings, {s['fail']} failed" in r.output
+
+
+def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, cluster, tmp_path):
+    """The failure text of the latest attempt: the exception line with the node that printed it
+    and that rank's traceback, at the end of follow and in status."""
+    (tmp_path / "boom.py").write_text(
+        "import os\n\n\ndef main():\n"
+        "    raise ValueError('bad shape (3, 4) on rank ' + os.environ.get('RANK', '?'))\n\n\nmain()\n")
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-boom", "-e", "follow=true", "-e", f"dsc_code_dir={tmp_path}",
+                         "-e", "dsc_entry_script=boom.py", "-e", "dsc_ds_config_mode=none")
+    assert r.returncode != 0
+    assert "Run rc-boom failed" in r.output and "ValueError: bad shape (3, 4) on rank" in r.output, r.output[-3000:]
+    assert "Traceback (most recent call last):" in r.output and "in main" in r.output
+    status = cluster.playbook("status.yml", "-e", "run_id=rc-boom")
+    assert "run rc-boom: failed" in status.output and "traceback (latest attempt):" in status.output, \
+        status.output[-3000:]

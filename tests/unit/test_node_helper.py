@@ -213,16 +213,20 @@ def test_probe_reports_interfaces_and_runs(tmp_path):
 def test_a_worker_with_live_ranks_is_running_and_records_the_exit(tmp_path):
     """A worker has no launcher of its own: its ranks (found by the run's id) say it runs; the
     supervisor's write-exit gives it the run's end."""
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+    # A stand-in for a node's launch.py (its command line names it) with one rank, which has a
+    # DataLoader-like worker of its own: one rank alive, not two.
+    worker = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
+    launcher = ("import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]])", worker)
+    rank = subprocess.Popen([sys.executable, "-c", launcher[0], launcher[1], "deepspeed.launcher.launch"],
                             env=dict(os.environ, DSC_RUN_ID="w-run"))
     try:
         deadline = time.time() + 10
-        while time.time() < deadline and not dsc_node.procs("w-run"):
+        while time.time() < deadline and len(dsc_node.procs("w-run")) < 3:
             time.sleep(0.1)
         st = dsc_node.status(tmp_path, "w-run")
-        assert st["state"] == "running" and st["ranks_alive"] == 1
+        assert st["state"] == "running" and st["ranks_alive"] == 1 and st["processes"] == 3
         stopped = json.loads(helper("stop", "w-run", "--grace", 2, "--run-dir", tmp_path).stdout)
-        assert stopped == {"found": 1, "left": 0, "left_pids": []}
+        assert stopped == {"found": 3, "left": 0, "left_pids": []}
     finally:
         rank.kill()
     assert helper("write-exit", tmp_path, 0).returncode == 0
@@ -235,3 +239,32 @@ def test_the_envs_python_runs_as_its_owner_never_as_root():
     rc, out, _ = dsc_node.run(["id", "-u"], user="nobody")
     expected = str(__import__("pwd").getpwnam("nobody").pw_uid) if os.geteuid() == 0 else str(os.geteuid())
     assert rc == 0 and out.strip() == expected
+
+
+LOG = """node1: step 1/9 loss 2.0
+node2: Traceback (most recent call last):
+node2:   File "train.py", line 10, in <module>
+node2:     main()
+node1: step 2/9 loss 1.9
+node2:   File "train.py", line 7, in main
+node2:     raise ValueError("bad shape (3, 4)")
+node2: [rank1]: ValueError: bad shape (3, 4)
+node2: [INFO] [launch.py:335] exits with return code = 1
+"""
+
+
+def test_the_first_exception_of_the_latest_attempt_with_its_node_and_traceback(tmp_path):
+    log = tmp_path / "launcher.log"
+    log.write_text("node1: RuntimeError: the first attempt's error\n[dsc_node] restart 1/2\n")
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write(LOG)
+    error, trace = dsc_node.first_error(log, offset)
+    assert error == "node2: [rank1]: ValueError: bad shape (3, 4)"
+    assert trace[0] == "node2: Traceback (most recent call last):" and trace[-1] == error
+    assert not any(line.startswith("node1") for line in trace) and len(trace) == 6
+    assert dsc_node.first_error(log)[0] == "node1: RuntimeError: the first attempt's error"
+    (tmp_path / "attempt.json").write_text(json.dumps({"attempt": 2, "offset": offset}))
+    (tmp_path / "exit_code").write_text("1\n")
+    st = dsc_node.status(tmp_path, "nope-run")
+    assert st["state"] == "failed" and st["first_error"] == error and st["traceback"] == trace
