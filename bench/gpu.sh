@@ -34,7 +34,7 @@ if [ ! -f /tmp/dsc-provision.done ]; then
   grep -A4 '"node | python' "$out/provision.log"
 fi
 if [ "${PREFLIGHT:-0}" = 1 ]; then
-  ap preflight.yml -e preflight_allreduce_sizes=1,16,256,1024 -e preflight_allreduce_iters=20 \
+  ap preflight.yml -e '{"dsc_entry_args": ["--sizes", "1,16,256,1024", "--iters", "20"]}' \
     -e preflight_report_dir="$out" > "$out/preflight.log" 2>&1; echo "preflight rc=$?"
   grep -E '"(all-reduce|slots|env and versions|driver|interface) ' "$out/preflight.log"
 fi
