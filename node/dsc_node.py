@@ -22,6 +22,7 @@ module pushes it). Every command prints one JSON object.
                                               # mark the run stopped, TERM, then KILL after S seconds
     dsc_node.py status RUN_DIR RUN_ID         # state, ranks alive, last metrics, first error
     dsc_node.py write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
+    dsc_node.py files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
     dsc_node.py free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.py active RUN_ROOT               # the run whose supervisor is alive, if any
 """
@@ -67,6 +68,7 @@ class RunDir:
     PORT = "master_port"
     LAUNCH = "launch.json"        # what the run was launched with (resume and restarts reuse it)
     CODE = "code"
+    CHECKPOINTS = "checkpoints"   # train.run's; left out of logs.yml's copies with the code
     ATTEMPT = "attempt.json"      # the current attempt and where its output starts in the log
     LOCK = ".launch.lock"         # in the run root: one launch at a time
 
@@ -640,6 +642,17 @@ def watch(child, run, run_id, hosts, pos, grace=3.0):
     return code, cause, torn
 
 
+def run_files(run_dir):
+    """Every file of the run directory but its code and checkpoints (what logs.yml fetches):
+    logs, metrics, monitor output, summaries, the rendered config."""
+    run, out = Path(run_dir), []
+    for dirpath, dirnames, filenames in os.walk(run):
+        if Path(dirpath) == run:
+            dirnames[:] = [d for d in dirnames if d not in (RunDir.CODE, RunDir.CHECKPOINTS)]
+        out += [str(Path(dirpath, f).relative_to(run)) for f in filenames if not f.endswith(".tmp")]
+    return sorted(out)
+
+
 def write_run(run_dir, spec, resume=False):
     """The run's files and code, written by the training user on every node. A new run never
     lands in a directory that a run already used (metrics and checkpoints would mix)."""
@@ -822,6 +835,8 @@ def command(argv):
     elif cmd == "stop":
         pos, opts = options(args, valued=("--grace", "--run-dir"))
         print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"))))
+    elif cmd == "files":
+        print(json.dumps(run_files(args[0])))
     elif cmd == "write-exit":  # the supervisor's record of how the run ended, on a worker
         if os.path.isdir(args[0]):
             write_atomic(RunDir(args[0]) / RunDir.EXIT, f"{int(args[1])}\n")

@@ -268,3 +268,11 @@ def test_the_first_exception_of_the_latest_attempt_with_its_node_and_traceback(t
     (tmp_path / "exit_code").write_text("1\n")
     st = dsc_node.status(tmp_path, "nope-run")
     assert st["state"] == "failed" and st["first_error"] == error and st["traceback"] == trace
+
+
+def test_run_files_leave_out_code_and_checkpoints(tmp_path):
+    for name in ("launcher.log", "metrics.jsonl", "monitor/csv/loss.csv", "code/train.py",
+                 "checkpoints/step10/COMPLETE", "exit_code.tmp"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    assert dsc_node.run_files(tmp_path) == ["launcher.log", "metrics.jsonl", "monitor/csv/loss.csv"]
