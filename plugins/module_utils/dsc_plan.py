@@ -57,7 +57,7 @@ CLUSTER_SETTINGS = (
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
 )
 # Settings of one node.
-NODE_SETTINGS = ("dsc_addr", "dsc_slots", "dsc_ssh_port")
+NODE_SETTINGS = ("dsc_addr", "dsc_slots", "dsc_ssh_port", "dsc_gpus")
 # Options of one run (launch, resume, status, stop, logs): -e values or the playbook's vars.
 RUN_OPTIONS = (
     "preset", "run_id", "resume", "replace", "dry_run", "follow", "max_restarts",
@@ -311,7 +311,7 @@ def _nodes(names, hostvars, defaults, probes, problems):
                          f"the group 'cluster' (one machine under two names would be provisioned "
                          f"twice at once and get two training addresses).")
         seen_target.setdefault(target, name)
-        slots = setting(hostvars, defaults, name, "dsc_slots")
+        slots = wanted_slots = setting(hostvars, defaults, name, "dsc_slots")
         if str(slots) == "auto":
             if not gpus and reachable:
                 problems.add(f"dsc_slots on host {name} is 'auto' but nvidia-smi found no GPU "
@@ -322,13 +322,17 @@ def _nodes(names, hostvars, defaults, probes, problems):
                          f"(or of ranks on a CPU-only node), or 'auto' to detect GPUs with "
                          f"nvidia-smi.")
             slots = 0
+        gpu_ids, slots = _gpu_selection(name, hv.get("dsc_gpus") or [], gpus, wanted_slots, slots,
+                                        reachable, problems)
         port = hv.get("dsc_ssh_port", hv.get("ansible_port", 22))
         if not _is_int(port) or not 0 < int(port) < 65536:
             problems.add(f"dsc_ssh_port on host {name} is {shown(port)}. Fix: a TCP port 1-65535.")
             port = 22
         nodes.append({
             "name": name, "rank": rank, "addr": addr, "slots": int(slots), "ssh_port": int(port),
-            "gpus": len(gpus),
+            "gpus": len(gpus), "gpu_ids": gpu_ids,
+            # DeepSpeed's hostfile counts a node's GPUs from 0; a selection is passed as --include.
+            "hostfile_slots": len(gpus) if gpu_ids else int(slots),
             "compute_caps": sorted({str(g.get("compute_cap", "")) for g in gpus} - {""}),
             "driver": (gpus[0].get("driver") if gpus else "") or "",
             "iface": interface_for(addr, probe.get("interfaces") or {}),
@@ -337,6 +341,29 @@ def _nodes(names, hostvars, defaults, probes, problems):
             "helper_sha256": probe.get("helper_sha256"),
         })
     return nodes
+
+
+def _gpu_selection(name, wanted, gpus, wanted_slots, slots, reachable, problems):
+    """(the GPU indices chosen on a node, its slots): dsc_gpus lists indices nvidia-smi reports
+    there; the slots are then their count."""
+    if not wanted:
+        return [], slots
+    if not isinstance(wanted, list) or not all(_is_int(i) for i in wanted) \
+            or len(set(map(int, wanted))) != len(wanted):
+        problems.add(f"dsc_gpus on host {name} is {wanted!r}. Fix: a list of distinct GPU "
+                     f"indices as nvidia-smi numbers them, e.g. [0, 1].")
+        return [], slots
+    ids = [int(i) for i in wanted]
+    present = {int(g["index"]) for g in gpus if _is_int(g.get("index"))}
+    missing = [i for i in ids if i not in present]
+    if reachable and missing:
+        problems.add(f"dsc_gpus on host {name} names GPU {', '.join(map(str, missing))}, which "
+                     f"nvidia-smi does not report there (it has {sorted(present) or 'none'}). Fix: "
+                     f"indices of GPUs on that node.")
+    if str(wanted_slots) not in ("auto", str(len(ids))):
+        problems.add(f"dsc_slots on host {name} is {shown(wanted_slots)} but dsc_gpus chooses {len(ids)} "
+                     f"GPUs. Fix: leave dsc_slots at auto with dsc_gpus.")
+    return ids, len(ids)
 
 
 def interface_for(addr, interfaces):
@@ -671,6 +698,9 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
         launcher += ["--ssh_port", str(plan["ssh_ports"][0])]
     if plan["num_nodes"] == 1:
         launcher += ["--no_ssh_check"]
+    if any(n["gpu_ids"] for n in plan["nodes"]):  # DeepSpeed's NAME:SLOT[,SLOT]@NAME...
+        launcher += ["--include", "@".join(
+            f"{n['name']}:{','.join(map(str, n['gpu_ids'] or range(n['slots'])))}" for n in plan["nodes"])]
     train_run = entry["module"] == "train.run" and not entry["script"]
     program = ([entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
         + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg else []) \

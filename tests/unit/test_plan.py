@@ -435,3 +435,42 @@ def test_none_mode_passes_no_config_and_resume_args_are_a_setting():
     cmd = p["run"]["commands"]["node1"]
     assert not any(a.startswith("--deepspeed") for a in cmd)
     assert p["run"]["resume_args"] == []
+
+
+def gpu_cluster(gpus_per_node, selections):
+    hostvars, groups, probes = cluster(len(selections), slots="auto")
+    for i, (h, chosen) in enumerate(zip(groups["cluster"], selections)):
+        probes[h] = probe(f"10.0.0.{11 + i}", gpus=gpus_per_node)
+        if chosen is not None:
+            hostvars[h]["dsc_gpus"] = chosen
+    return hostvars, groups, probes
+
+
+def test_gpus_chosen_per_node_reach_the_launcher_as_include():
+    hostvars, groups, probes = gpu_cluster(4, [[1, 3], None])
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    assert errors == []
+    assert p["world_size"] == 6 and p["node"]["node1"]["gpu_ids"] == [1, 3]
+    cmd = p["run"]["commands"]["node1"]
+    assert cmd[cmd.index("--include") + 1] == "node1:1,3@node2:0,1,2,3"
+    # DeepSpeed counts a node's GPUs from 0 in the hostfile; --include picks 1 and 3 of them.
+    assert dsc_plan.parse_hostfile(p["run"]["files"]["hostfile"]) == [("node1", 4), ("node2", 4)]
+
+
+def test_no_include_without_a_selection():
+    hostvars, groups, probes = gpu_cluster(2, [None, None])
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    assert errors == [] and "--include" not in p["run"]["commands"]["node1"]
+
+
+@pytest.mark.parametrize("chosen,slots,needle", [
+    ([0, 7], "auto", "dsc_gpus on host node1 names GPU 7, which nvidia-smi does not report there (it has [0, 1, 2, 3])"),
+    ([0, 0], "auto", "dsc_gpus on host node1 is [0, 0]. Fix: a list of distinct GPU indices"),
+    (["a"], "auto", "dsc_gpus on host node1 is ['a']"),
+    ([0, 1], 3, "dsc_slots on host node1 is 3 but dsc_gpus chooses 2 GPUs"),
+])
+def test_a_bad_gpu_selection_is_refused(chosen, slots, needle):
+    hostvars, groups, probes = gpu_cluster(4, [chosen, None])
+    hostvars["node1"]["dsc_slots"] = slots
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert p is None and any(needle in e for e in errors), errors
