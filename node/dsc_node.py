@@ -23,6 +23,7 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py status RUN_DIR RUN_ID         # state, ranks alive, last metrics, first error
     dsc_node.py write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
     dsc_node.py files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
+    dsc_node.py runs RUN_ROOT                 # every run, newest first, with its state (runs.yml)
     dsc_node.py free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.py active RUN_ROOT               # the run whose supervisor is alive, if any
 """
@@ -572,6 +573,30 @@ def status(run_dir, run_id):
             "first_error": error, "traceback": trace}
 
 
+def runs_table(run_root):
+    """Every run under the run root, newest first: id, preset, state, last step, loss, tokens/s,
+    started, duration and restarts (runs.yml's table)."""
+    rows, now = [], time.time()
+    for r in runs(run_root):
+        run = RunDir(Path(run_root) / r["id"])
+        st = status(run.path, r["id"])
+        try:
+            started = (run / "run_id").stat().st_mtime
+        except OSError:
+            started = r["mtime"]
+        try:
+            ended = (run / RunDir.EXIT).stat().st_mtime
+        except OSError:
+            ended = None if st["state"] == "running" else r["mtime"]
+        last = st["last"] or {}
+        rows.append({"id": r["id"], "preset": (r.get("launch") or {}).get("preset"), "state": st["state"],
+                     "step": last.get("step"), "loss": last.get("loss"),
+                     "tokens_per_s": last.get("tokens_per_s", last.get("samples_per_s")),
+                     "started": started, "duration_s": round((ended or now) - started, 1),
+                     "restarts": st["restarts"]})
+    return sorted(rows, key=lambda row: row["started"], reverse=True)
+
+
 def failure_event(line):
     """A node's failure as the launcher log shows it, or None."""
     m = RANK_EXIT.match(line)
@@ -835,6 +860,8 @@ def command(argv):
     elif cmd == "stop":
         pos, opts = options(args, valued=("--grace", "--run-dir"))
         print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"))))
+    elif cmd == "runs":
+        print(json.dumps(runs_table(args[0])))
     elif cmd == "files":
         print(json.dumps(run_files(args[0])))
     elif cmd == "write-exit":  # the supervisor's record of how the run ended, on a worker

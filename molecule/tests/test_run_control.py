@@ -156,3 +156,15 @@ def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, c
     status = cluster.playbook("status.yml", "-e", "run_id=rc-boom")
     assert "run rc-boom: failed" in status.output and "traceback (latest attempt):" in status.output, \
         status.output[-3000:]
+
+
+def test_runs_lists_every_run_with_its_state(provisioned, cluster):
+    """runs.yml after the runs above (and the other test files'): finished, stopped and failed ones
+    with their ids, newest first."""
+    r = cluster.playbook("runs.yml")
+    assert r.returncode == 0, r.output[-3000:]
+    rows = {line.split(" | ")[0].strip(' "'): line for line in r.output.splitlines() if " | " in line}
+    assert " | finished | " in rows["rc-done"] and " | stopped | " in rows["rc-a"], r.output[-3000:]
+    assert " | failed | " in rows["rc-boom"]
+    order = [k for k in rows if k.startswith("rc-")]
+    assert order.index("rc-boom") < order.index("rc-done") < order.index("rc-a")  # newest first

@@ -4,8 +4,11 @@ plugins/module_utils/dsc_plan.py, derived once by the dsc_plan action).
     {{ (versions, name) | dsc_report_row }}            -> one row of provision's version table
     {{ hostvars | dsc_version_diff(names) }}           -> messages for versions that differ
     {{ status | dsc_status_row }}                      -> one node's row of status.yml
+    {{ rows | dsc_runs_table }}                        -> runs.yml's table
 """
 from __future__ import annotations
+
+import datetime
 
 
 def _group_by(names, value_of):
@@ -44,10 +47,26 @@ def status_row(st):
             f"tokens/s {last.get('tokens_per_s', '-')}, memory {mem} GiB")
 
 
+def runs_table(rows):
+    """runs.yml's table: a header and a line per run, newest first."""
+    def cell(value, fmt="{}"):
+        return "-" if value is None else fmt.format(value)
+    lines = ["run | preset | state | step | loss | tokens/s | started (UTC) | duration | restarts"]
+    for r in rows or []:
+        started = datetime.datetime.fromtimestamp(r["started"], datetime.timezone.utc)
+        lines.append(" | ".join([r["id"], cell(r.get("preset")), r["state"], cell(r.get("step")),
+                                 cell(r.get("loss"), "{:.4g}"), cell(r.get("tokens_per_s"), "{:,.0f}"),
+                                 started.strftime("%Y-%m-%d %H:%M"),
+                                 str(datetime.timedelta(seconds=int(r["duration_s"]))),
+                                 str(r.get("restarts", 0))]))
+    return lines
+
+
 class FilterModule:
     def filters(self):
         return {
             "dsc_report_row": report_row,
             "dsc_version_diff": version_diff,
             "dsc_status_row": status_row,
+            "dsc_runs_table": runs_table,
         }

@@ -276,3 +276,17 @@ def test_run_files_leave_out_code_and_checkpoints(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
     assert dsc_node.run_files(tmp_path) == ["launcher.log", "metrics.jsonl", "monitor/csv/loss.csv"]
+
+
+def test_runs_table_has_a_row_per_run_newest_first(tmp_path):
+    for i, (name, files) in enumerate([("old", {"run_id": "old\n", "launcher.log": "x", "exit_code": "0\n",
+                                               "metrics.jsonl": '{"step": 5, "loss": 1.5, "tokens_per_s": 900}\n',
+                                               "launch.json": '{"preset": "zero3"}'}),
+                                       ("new", {"run_id": "new\n", "launcher.log": "x", "exit_code": "1\n"})]):
+        (tmp_path / name).mkdir()
+        for f, text in files.items():
+            (tmp_path / name / f).write_text(text)
+        os.utime(tmp_path / name / "run_id", (1000 + i, 1000 + i))
+    rows = dsc_node.runs_table(tmp_path)
+    assert [(r["id"], r["state"], r["preset"], r["step"]) for r in rows] == [
+        ("new", "failed", None, None), ("old", "finished", "zero3", 5)]

@@ -1,4 +1,5 @@
-"""Preflight verdicts on the control node (plugins/filter/preflight.py), from what nodes report."""
+"""The control node's verdicts and tables (plugins/filter/): preflight rows from what nodes
+report, runs.yml's table."""
 import importlib.util
 import json
 from pathlib import Path
@@ -49,3 +50,12 @@ def test_interface_verdicts(configured, interfaces, status):
                                                 ("12.8", "525.60.13", "PASS"), ("cpu", "", "PASS")])
 def test_driver_verdicts(cuda, driver, status):
     assert preflight.driver_verdict(cuda, driver)[0] == status
+
+
+def test_runs_table_lines():
+    spec = importlib.util.spec_from_file_location("cluster_filters", ROOT / "plugins" / "filter" / "cluster.py")
+    filters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filters)
+    lines = filters.runs_table([{"id": "r1", "preset": "zero2", "state": "finished", "step": 20, "loss": 5.123456,
+                                 "tokens_per_s": 15020.4, "started": 0, "duration_s": 75.5, "restarts": 1}])
+    assert lines[1] == "r1 | zero2 | finished | 20 | 5.123 | 15,020 | 1970-01-01 00:00 | 0:01:15 | 1"
