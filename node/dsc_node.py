@@ -566,7 +566,13 @@ def status(run_dir, run_id):
         error, trace = first_error(run / RunDir.LOG, offset)
         if failure:
             error = f"{failure['message']}; first error: {error}" if error else failure["message"]
+    try:
+        started = (run / "run_id").stat().st_mtime
+    except OSError:
+        started = None
+    total = (read_json(run / "train.json") or {}).get("steps")
     return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
+            "started": started, "total_steps": total if isinstance(total, int) else None,
             "launcher_pid": launcher, "ranks_alive": ranks,
             "processes": len(ps), "last": last, "restarts": int(restarts),
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,

@@ -59,3 +59,14 @@ def test_runs_table_lines():
     lines = filters.runs_table([{"id": "r1", "preset": "zero2", "state": "finished", "step": 20, "loss": 5.123456,
                                  "tokens_per_s": 15020.4, "started": 0, "duration_s": 75.5, "restarts": 1}])
     assert lines[1] == "r1 | zero2 | finished | 20 | 5.123 | 15,020 | 1970-01-01 00:00 | 0:01:15 | 1"
+
+
+def test_follow_prints_a_progress_line_not_a_retry_message():
+    spec = importlib.util.spec_from_file_location("dsc_progress", ROOT / "plugins" / "callback" / "dsc_progress.py")
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    status = {"run_id": "r1", "state": "running", "started": 1000.0, "total_steps": 400, "ranks_alive": 2,
+              "restarts": 0, "last": {"step": 100, "loss": 5.2345, "tokens_per_s": 15020.4}}
+    assert cb.progress_line(json.dumps(status), now=1100.0) == (
+        "run r1: running, step 100/400, loss 5.234, 15,020 tokens/s, elapsed 0:01:40, ETA 0:05:00, ranks alive 2")
+    assert cb.progress_line("not a status") is None and cb.progress_line('{"changed": false}') is None

@@ -1,0 +1,73 @@
+"""stdout callback `dsc_progress`: Ansible's default output, except that while a run is followed
+(`-e follow=true`) each poll prints one progress line instead of "FAILED - RETRYING ...".
+
+The node helper's status JSON is recognised by its keys; anything else is printed as the default
+callback prints it. ansible.cfg selects it (stdout_callback = dsc_progress).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+
+from ansible.plugins.callback.default import CallbackModule as DefaultCallback
+
+DOCUMENTATION = """
+    name: dsc_progress
+    type: stdout
+    short_description: default output, with a followed run's progress instead of retry messages
+    description:
+      - Ansible's default stdout callback; a retry of the node helper's status (follow=true)
+        prints step/total, loss, tokens/s (or samples/s), elapsed time, ETA and ranks alive.
+    extends_documentation_fragment:
+      - default_callback
+      - result_format_callback
+"""
+
+
+def _duration(seconds):
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+def progress_line(stdout, now=None):
+    """One line from the helper's status JSON, or None when stdout is not one."""
+    try:
+        st = json.loads(stdout or "")
+    except ValueError:
+        return None
+    if not isinstance(st, dict) or not {"run_id", "state", "last"} <= set(st):
+        return None
+    now = time.time() if now is None else now
+    last = st.get("last") or {}
+    parts = [f"run {st['run_id']}: {st['state']}"]
+    step, total = last.get("step"), st.get("total_steps")
+    if step is not None:
+        parts.append(f"step {step}/{total}" if total else f"step {step}")
+    if last.get("loss") is not None:
+        parts.append(f"loss {last['loss']:.4g}")
+    if last.get("tokens_per_s") is not None:
+        parts.append(f"{last['tokens_per_s']:,.0f} tokens/s")
+    elif last.get("samples_per_s") is not None:
+        parts.append(f"{last['samples_per_s']:,.1f} samples/s")
+    if st.get("started"):
+        elapsed = now - st["started"]
+        parts.append(f"elapsed {_duration(elapsed)}")
+        if step and total and step < total:
+            parts.append(f"ETA {_duration(elapsed / step * (total - step))}")
+    parts.append(f"ranks alive {st.get('ranks_alive', 0)}")
+    if st.get("restarts"):
+        parts.append(f"restarts {st['restarts']}")
+    return ", ".join(parts)
+
+
+class CallbackModule(DefaultCallback):
+    CALLBACK_VERSION = 2.0
+    CALLBACK_TYPE = "stdout"
+    CALLBACK_NAME = "dsc_progress"
+
+    def v2_runner_retry(self, result):
+        line = progress_line(result.result.get("stdout"))
+        if line is None:
+            super().v2_runner_retry(result)
+        else:
+            self._display.display(line)
