@@ -22,6 +22,12 @@ SPEC = os.path.join(REPO, "roles", "plan", "meta", "argument_specs.yml")
 PINS = os.path.join(REPO, "requirements", "pins.env")
 
 
+def failed(result, messages, header=None):
+    """The task's failure: every message, each naming the variable or host and the fix."""
+    return dict(result, failed=True, errors=messages,
+                msg="\n".join(([header] if header else []) + messages))
+
+
 def plain(value):
     """Ansible's templated values (tagged str, dict, list) as plain JSON data."""
     return json.loads(json.dumps(value, default=str))
@@ -42,13 +48,13 @@ class ActionModule(ActionBase):
             msg = (f"--limit leaves out {', '.join(limited)}: the plan checks and derives the whole "
                    f"cluster (rank order, world size, the hostfile) and needs every node. Fix: run "
                    f"without --limit; to leave a node out, remove it from the group 'cluster'.")
-            return dict(result, failed=True, msg=msg, errors=[msg])
+            return failed(result, [msg])
         dropped = [h for h in task_vars.get("ansible_play_hosts_all", [])
                    if h not in task_vars.get("ansible_play_hosts", [])]
         if dropped:
             msg = (f"host(s) {', '.join(dropped)} failed before the plan (see above). Fix that "
                    f"first: every check of the cluster needs every node.")
-            return dict(result, failed=True, msg=msg, errors=[msg])
+            return failed(result, [msg])
         inventory, probes, unreachable = {}, {}, []
         for name in names:
             hv = hostvars[name]
@@ -63,24 +69,23 @@ class ActionModule(ActionBase):
                 continue
             probes[name] = json.loads(probe["stdout"])
         # status.yml shows an unreachable node as such; everything else needs every node.
-        allow_unreachable = dsc_plan._bool(self._templar.template(args.get("allow_unreachable", False)))
+        allow_unreachable = dsc_plan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
         if unreachable and not allow_unreachable:
-            return dict(result, failed=True, msg="\n".join(unreachable), errors=unreachable)
+            return failed(result, unreachable)
         defaults = dsc_plan.load_defaults(SPEC, PINS)
         options = {k: plain(self._templar.template(task_vars[k]))
                    for k in dsc_plan.RUN_OPTIONS if k in task_vars}
         # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported
         # by preflight itself), false (status, stop, logs: only which run).
         run_kind = self._templar.template(args.get("run", False))
-        run_kind = run_kind if run_kind == "probe" else dsc_plan._bool(run_kind)
+        run_kind = run_kind if run_kind == "probe" else dsc_plan.as_bool(run_kind)
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         plan, errors = dsc_plan.make_plan(
             inventory, {k: list(v) for k, v in groups.items()}, probes, defaults,
             {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
             full_run=run_kind in ("probe", True), refuse_active=run_kind is True)
         if errors:
-            return dict(result, failed=True, errors=errors,
-                        msg=f"{len(errors)} problem(s), nothing was changed:\n" + "\n".join(errors))
+            return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
         result.update(plan)
         result["changed"] = False
         return result

@@ -151,7 +151,8 @@ def _is_int(value):
         isinstance(value, str) and value.strip().lstrip("-").isdigit())
 
 
-def _bool(value):
+def as_bool(value):
+    """A YAML/-e boolean (true, "yes", "1", ...) as bool."""
     if isinstance(value, bool):
         return value
     return str(value).strip().lower() in ("1", "true", "yes", "on")
@@ -568,7 +569,7 @@ def _run_options(options, defaults, runs_seen):
     """The run options: given ones, else the resumed run's launch spec, else the defaults."""
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
     opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
-    if _bool(opt["resume"]):  # the run's own launch spec: the same entry, arguments, preset and
+    if as_bool(opt["resume"]):  # the run's own launch spec: the same entry, arguments, preset and
         # batch, except what this command gives explicitly (-e), e.g. more steps
         wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
         spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
@@ -579,7 +580,7 @@ def _run_options(options, defaults, runs_seen):
 def _run_id(opt, preset, plan, runs_seen, now, problems):
     """The run id: given, else (resume) the newest run, else <preset>-<UTC time>; checked."""
     run_id = str(opt["run_id"] or "")
-    if not run_id and _bool(opt["resume"]):
+    if not run_id and as_bool(opt["resume"]):
         run_id = runs_seen[0]["id"] if runs_seen else ""
         if not run_id:
             problems.add(f"run_id: no run to resume under {plan['run_root']} on "
@@ -614,7 +615,7 @@ def _entry(opt, paths, problems):
     if not script and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module):
         problems.add(f"dsc_entry_module is {module!r}. Fix: a Python module name such as "
                      f"train.run, or set dsc_entry_script.")
-    shared = _bool(opt["dsc_code_shared"])
+    shared = as_bool(opt["dsc_code_shared"])
     code_dir = str(opt["dsc_code_dir"] or "") or str(Path(paths["repo"]) / "train")
     if shared:
         _abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)")
@@ -657,16 +658,16 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
     """An active run (unless replace), a resume of an unknown run, a new run in a used directory."""
     seen = {r["id"]: r for r in runs_seen}
     active = [r["id"] for r in runs_seen if r.get("active")]
-    if refuse_active and active and active[0] != run_id and not _bool(opt["replace"]) \
-            and not _bool(opt["dry_run"]):
+    if refuse_active and active and active[0] != run_id and not as_bool(opt["replace"]) \
+            and not as_bool(opt["dry_run"]):
         problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "
                      f"(ansible-playbook stop.yml -e run_id={active[0]}), or launch with "
                      f"-e replace=true to stop and replace it.")
-    if _bool(opt["resume"]) and run_id not in seen and run_id:
+    if as_bool(opt["resume"]) and run_id not in seen and run_id:
         problems.add(f"run_id {run_id!r}: no such run under {plan['run_root']} on "
                      f"{plan['master']} to resume. Fix: the id of an earlier run "
                      f"({', '.join(list(seen)[:5]) or 'none there'}).")
-    elif not _bool(opt["resume"]) and seen.get(run_id, {}).get("started"):
+    elif not as_bool(opt["resume"]) and seen.get(run_id, {}).get("started"):
         problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} already holds a run (its "
                      f"metrics and checkpoints would mix with a new run's). Fix: resume it "
                      f"(ansible-playbook resume.yml -e run_id={run_id}) or launch with another "
@@ -715,7 +716,7 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
 def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True):
     """The run's part of the plan: id, directory, ds_config, files and the launcher command."""
     opt = _run_options(options, defaults, runs_seen)
-    resume = _bool(opt["resume"])
+    resume = as_bool(opt["resume"])
     known = presets(paths["templates"])
     preset = str(opt["preset"])
     if preset not in known:
@@ -761,8 +762,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     hostfile, env_text = _rendered(paths, plan, env, problems)
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume,
-        "replace": _bool(opt["replace"]), "dry_run": _bool(opt["dry_run"]),
-        "follow": _bool(opt["follow"]), "preflight": _bool(opt["preflight"]),
+        "replace": as_bool(opt["replace"]), "dry_run": as_bool(opt["dry_run"]),
+        "follow": as_bool(opt["follow"]), "preflight": as_bool(opt["preflight"]),
         "max_restarts": int(opt["max_restarts"]),
         "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
         "ds_config": config, "config_mode": mode, "resume_args": entry["resume_args"],
@@ -887,8 +888,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "pip": "" if manager == "existing" else f"{prefix}/bin/pip",
         # Who owns the env and so runs pip in it.
         "env_owner": "root" if manager == "existing" else str(s["dsc_train_user"]),
-        "install_packages": manager != "existing" or _bool(s["dsc_existing_install"]),
-        "manage_packages": _bool(s["dsc_manage_packages"]),
+        "install_packages": manager != "existing" or as_bool(s["dsc_existing_install"]),
+        "manage_packages": as_bool(s["dsc_manage_packages"]),
         "train_user": str(s["dsc_train_user"]),
         "python_version": str(s["dsc_python_version"]),
         "torch_version": str(s["dsc_torch_version"]),
