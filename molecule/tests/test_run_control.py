@@ -40,6 +40,9 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
     try:
         a = cluster.playbook("launch.yml", "-e", "run_id=rc-a", *train)
         assert a.returncode == 0, a.output[-3000:]
+        # rc-a's rendezvous holds its port once it trains; only then is the next port taken
+        # (the free-port check is per run root's lock: two roots starting at once can race).
+        wait(lambda: last_step(cluster, RUNS, "rc-a") > 2, 240, "rc-a training")
         b = cluster.playbook("launch.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}", *train)
         assert b.returncode == 0, b.output[-3000:]
         assert cluster.exec(cluster.master, f"cat {OTHER_ROOT}/rc-b/master_port").stdout.strip() != \
