@@ -26,6 +26,11 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py runs RUN_ROOT                 # every run, newest first, with its state (runs.yml)
     dsc_node.py free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.py active RUN_ROOT               # the run whose supervisor is alive, if any
+    dsc_node.py write-secrets RUN_DIR         # stdin {NAME: value}: the run's secrets, 0600, outside the run dir
+    dsc_node.py entry --script FILE | --module NAME [ARGS...]
+                                              # each rank: the run's secrets into the environment,
+                                              # DeepSpeed's engine watched for progress, then the
+                                              # user's script or module in this process
 """
 import base64
 import fcntl
@@ -66,6 +71,7 @@ class RunDir:
     RESTARTS_LOG = "restarts.log"
     STOPPED = "stopped"           # an operator's stop: no restart
     METRICS = "metrics.jsonl"     # one JSON object per logged step (train.run)
+    PROGRESS = "progress.jsonl"   # any script's steps, as DeepSpeed's engine saw them (entry)
     PORT = "master_port"
     LAUNCH = "launch.json"        # what the run was launched with (resume and restarts reuse it)
     CODE = "code"
@@ -78,6 +84,124 @@ class RunDir:
 
     def __truediv__(self, name):
         return self.path / name
+
+
+def secrets_file(run_dir):
+    """Where a run's secrets live: beside the run directory, never in it (logs.yml copies the
+    run directory), readable by the training user only."""
+    run_dir = Path(run_dir)
+    return run_dir.parent / ".secrets" / f"{run_dir.name}.json"
+
+
+def write_secrets(run_dir, values):
+    """The run's secrets, written by the training user: directory 0700, file 0600, created with
+    those modes (never world-readable, not even for a moment)."""
+    path = secrets_file(run_dir)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({str(k): str(v) for k, v in values.items()}, f)
+    tmp.rename(path)
+    return {"ok": True, "names": sorted(values)}
+
+
+class Progress:
+    """Each optimizer step of DeepSpeed's engine, as global rank 0 sees it, appended to the run's
+    progress.jsonl at most every `every` seconds: step, loss (the mean over the micro-batches
+    since the last line), lr, samples, samples/s. The loss is read (.item(), a device sync) only
+    when a line is written. Installed as an import hook: the engine is patched when the script
+    imports DeepSpeed, whatever imports it (the script, HF's Trainer, accelerate)."""
+    MODULE = "deepspeed.runtime.engine"
+
+    def __init__(self, path, every=2.0):
+        self.path, self.every = Path(path), every
+        self.loss, self.micro = None, 0
+        self.step = self.written_step = 0
+        self.time, self.samples = time.time(), 0
+        self.engine = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.MODULE:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            self.patch(module.DeepSpeedEngine)
+        spec.loader.exec_module = patched
+        return spec
+
+    def patch(self, engine_class):
+        backward, step, hook = engine_class.backward, engine_class.step, self
+
+        def watched_backward(engine, loss, *args, **kwargs):
+            if engine.global_rank == 0 and hasattr(loss, "detach"):
+                value = loss.detach().float()
+                hook.loss = value if hook.loss is None else hook.loss + value
+                hook.micro += 1
+            return backward(engine, loss, *args, **kwargs)
+
+        def watched_step(engine, *args, **kwargs):
+            out = step(engine, *args, **kwargs)
+            if engine.global_rank == 0 and engine.global_steps != hook.step:
+                hook.step, hook.engine = engine.global_steps, engine
+                if time.time() - hook.time >= hook.every or hook.written_step == 0:
+                    hook.write()
+            return out
+        engine_class.backward, engine_class.step = watched_backward, watched_step
+        import atexit
+        atexit.register(lambda: self.step != self.written_step and self.write())
+
+    def write(self):
+        engine, now = self.engine, time.time()
+        try:
+            lr = float(engine.get_lr()[0])
+        except Exception:  # noqa: BLE001 - no scheduler or optimizer yet: no lr
+            lr = None
+        loss = float(self.loss.item()) / self.micro if self.micro else None
+        samples = int(getattr(engine, "global_samples", 0) or 0)
+        rate = (samples - self.samples) / (now - self.time) if now > self.time and self.written_step else None
+        line = {"step": self.step, "loss": None if loss is None else round(loss, 6), "lr": lr,
+                "samples": samples, "samples_per_s": None if rate is None else round(rate, 2),
+                "time": round(now, 3)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.loss, self.micro, self.written_step = None, 0, self.step
+        self.time, self.samples = now, samples
+
+
+def entry(args):
+    """A rank: the run's secrets into this process's environment (they never pass a command
+    line), the progress hook, then the user's script or module run here as `python FILE` or
+    `python -m NAME` would (sys.argv, sys.path[0], __main__)."""
+    if len(args) < 2 or args[0] not in ("--script", "--module"):
+        print("usage: dsc_node.py entry --script FILE | --module NAME [ARGS...]", file=sys.stderr)
+        return 2
+    kind, target, rest = args[0], args[1], args[2:]
+    run_dir = os.environ.get("DSC_RUN_DIR")
+    if run_dir and os.environ.pop("DSC_SECRETS", "") == "1":
+        try:
+            os.environ.update(json.loads(secrets_file(run_dir).read_text()))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
+                             f"be read: {e}. Fix: launch the run again (launch.yml writes them).")
+    if run_dir:
+        sys.meta_path.insert(0, Progress(RunDir(run_dir) / RunDir.PROGRESS))
+    import runpy
+    sys.argv = [target] + rest
+    if kind == "--module":
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+    return 0
 
 
 def become(user):
@@ -203,10 +327,17 @@ def probe(argv):
             "helper_sha256": sha256(INSTALLED_PATH)}
 
 
-VERSIONS = r"""
+# Every installed distribution's version (preflight compares them between nodes), by name.
+DISTRIBUTIONS = r"""
+import importlib.metadata as md, re
+dists = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
+         for d in md.distributions() if d.metadata["Name"]}
+"""
+
+VERSIONS = DISTRIBUTIONS + r"""
 import json, platform, torch, deepspeed
 cuda = torch.cuda.is_available()
-print(json.dumps({"python": platform.python_version(), "torch": torch.__version__,
+print(json.dumps({"distributions": dists, "python": platform.python_version(), "torch": torch.__version__,
                   "cuda": torch.version.cuda or "cpu", "deepspeed": deepspeed.__version__,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
                   "torch_gpus": torch.cuda.device_count() if cuda else 0}))
@@ -216,7 +347,7 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
 # The fast checks (launch.yml) read the same from the installed packages' metadata without
 # importing them (importing torch and DeepSpeed takes seconds on a GPU node); torch's own
 # version.py holds its CUDA build. The GPU count torch sees needs the import: full mode only.
-VERSIONS_FAST = r"""
+VERSIONS_FAST = DISTRIBUTIONS + r"""
 import json, os, platform, importlib.metadata as md, importlib.util
 def version(name):
     try:
@@ -230,7 +361,7 @@ spec = importlib.util.find_spec("torch")
 info = {}
 exec(open(os.path.join(os.path.dirname(spec.origin), "version.py")).read(), info)
 nccl = [version(n) for n in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11") if version(n)]
-print(json.dumps({"python": platform.python_version(), "torch": version("torch"),
+print(json.dumps({"distributions": dists, "python": platform.python_version(), "torch": version("torch"),
                   "cuda": info.get("cuda") or "cpu", "deepspeed": version("deepspeed"),
                   "nccl": nccl[0] if nccl and info.get("cuda") else "-"}))
 """
@@ -295,6 +426,9 @@ def check(a):
         "firewall": firewall(a["port_first"], a["port_last"]),
         "iperf3": bool(shutil.which("iperf3")),
         "code_dir_exists": os.path.isdir(a["code_dir"]) if a.get("code_dir") else None,
+        # A shared dataset must be readable by the training user (the ranks run as that user).
+        "data_readable": (run(["test", "-r", a["data_dir"], "-a", "-x", a["data_dir"]],
+                              user=a.get("train_user"))[0] == 0) if a.get("data_dir") else None,
     }
     if a.get("master"):
         out["port"] = {"wanted": a["port_first"], "wanted_free": port_free(a["port_first"]),
@@ -553,11 +687,7 @@ def status(run_dir, run_id):
         state = "not started"
     else:
         state = "lost"  # launcher gone without an exit code (killed with the node)
-    last = None
-    metrics = run / RunDir.METRICS
-    if metrics.exists():
-        lines = metrics.read_text().strip().splitlines()
-        last = json.loads(lines[-1]) if lines else None
+    last = last_line(run / RunDir.METRICS) or last_line(run / RunDir.PROGRESS)
     restarts = (run / RunDir.RESTARTS).read_text().strip() if (run / RunDir.RESTARTS).exists() else "0"
     failure = read_json(run / RunDir.FAILURE)
     error, trace = None, []
@@ -577,6 +707,18 @@ def status(run_dir, run_id):
             "processes": len(ps), "last": last, "restarts": int(restarts),
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
             "first_error": error, "traceback": trace}
+
+
+def last_line(path):
+    """The last JSON line of a jsonl file (train.run's metrics, any script's progress), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
 
 
 def runs_table(run_root):
@@ -870,6 +1012,10 @@ def command(argv):
         print(json.dumps(runs_table(args[0])))
     elif cmd == "files":
         print(json.dumps(run_files(args[0])))
+    elif cmd == "write-secrets":
+        print(json.dumps(write_secrets(args[0], json.load(sys.stdin))))
+    elif cmd == "entry":
+        return entry(args)
     elif cmd == "write-exit":  # the supervisor's record of how the run ended, on a worker
         if os.path.isdir(args[0]):
             write_atomic(RunDir(args[0]) / RunDir.EXIT, f"{int(args[1])}\n")

@@ -41,10 +41,15 @@ def status_row(st):
     if st.get("state") == "unreachable":
         return f"{st.get('host', '?')}: unreachable (node down or sshd stopped)"
     last = st.get("last") or {}
-    mem = last.get("mem_allocated_gib", last.get("rss_max_gib", "-"))
+    mem = last.get("mem_allocated_gib", last.get("rss_max_gib"))
+    # train.run's metrics give tokens/s and memory; any other script's progress (read from
+    # DeepSpeed's engine) gives samples/s and the learning rate.
+    rate = (f"tokens/s {last['tokens_per_s']}" if last.get("tokens_per_s") is not None
+            else f"samples/s {last['samples_per_s']}" if last.get("samples_per_s") is not None
+            else "tokens/s -")
+    tail = f"memory {mem} GiB" if mem is not None else f"lr {last['lr']:.3g}" if last.get("lr") is not None else "memory - GiB"
     return (f"{st.get('host', '?')}: {st.get('state', '?')}, ranks alive {st.get('ranks_alive', 0)}, "
-            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, "
-            f"tokens/s {last.get('tokens_per_s', '-')}, memory {mem} GiB")
+            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, {rate}, {tail}")
 
 
 def runs_table(rows):

@@ -127,6 +127,15 @@ def preflight_rows(hostvars, cluster, settings):
                   "python {python}, torch {torch} ({cuda}), DeepSpeed {deepspeed}, NCCL {nccl}".format(**v)
                   + f", env {settings['env_prefix']}")
         rows.append(_row("env and versions", n, "FAIL" if diff else "PASS", detail, PROVISION_FIX))
+    rows += package_rows(ok, probe, master)
+    if settings.get("data_dir"):
+        for n in ok:
+            readable = probe[n].get("data_readable")
+            rows.append(_row("data path", n, "PASS" if readable else "FAIL",
+                             f"{settings['data_dir']} {'readable' if readable else 'missing or not readable'}"
+                             f" by {settings['train_user']}",
+                             "mount the dataset at the same path on every node, readable by the "
+                             "training user, or set dsc_data_shared: false to sync it at launch"))
     if settings.get("code_dir"):
         for n in ok:
             exists = probe[n].get("code_dir_exists")
@@ -239,6 +248,25 @@ def preflight_rows(hostvars, cluster, settings):
         else:
             rows.append(_row("all-reduce", "all", "FAIL", ar.get("error", "did not finish"),
                              "read the run's launcher.log (kept in the report); fix the FAILs above first"))
+    return rows
+
+
+def package_rows(nodes, probe, master):
+    """One row per node: every installed distribution at the master's version, or a FAIL naming
+    each package that differs (or is missing) and where."""
+    dists = {n: (probe[n].get("versions") or {}).get("distributions") for n in nodes}
+    ref = dists.get(master)
+    rows = []
+    for n in nodes:
+        if ref is None or dists[n] is None:
+            continue  # the env itself failed: "env and versions" says so
+        diff = [f"{name} {dists[n].get(name, 'missing')} here, {ref.get(name, 'missing')} on {master}"
+                for name in sorted(set(ref) | set(dists[n])) if dists[n].get(name) != ref.get(name)]
+        rows.append(_row("packages", n, "FAIL" if diff else "PASS",
+                         "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+                         if diff else f"{len(dists[n])} distributions, the same versions as on {master}",
+                         "re-run provision.yml (dsc_requirements installs the same versions on every "
+                         "node); remove packages installed by hand on one node"))
     return rows
 
 

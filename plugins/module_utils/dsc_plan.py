@@ -55,7 +55,10 @@ CLUSTER_SETTINGS = (
     "dsc_conda_env_name", "dsc_conda_installer_file", "dsc_conda_installer_sha256",
     "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
+    "dsc_requirements", "dsc_requirements_file", "dsc_data_dir", "dsc_data_shared",
 )
+# Checked like a cluster setting, but its values never enter the plan or a message (names only).
+SECRET_SETTINGS = ("dsc_secrets",)
 # Settings of one node.
 NODE_SETTINGS = ("dsc_addr", "dsc_slots", "dsc_ssh_port", "dsc_gpus")
 # Options of one run (launch, resume, status, stop, logs): -e values or the playbook's vars.
@@ -65,10 +68,13 @@ RUN_OPTIONS = (
     "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
     "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_resume_args",
+    "dsc_launcher_args",
 )
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
-# --deepspeed_config (deepspeed.add_config_arguments), HF Trainer and accelerate scripts --deepspeed.
+# --deepspeed_config (deepspeed.add_config_arguments), HF Trainer scripts --deepspeed; "env" hands
+# it to accelerate (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE), as `accelerate
+# launch` would.
 CONFIG_ARGS = {"preset": "--deepspeed_config", "file": "--deepspeed_config", "hf": "--deepspeed", "none": ""}
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 # What HF's Trainer fills in itself from its TrainingArguments ("auto" in its ds_config).
@@ -81,8 +87,18 @@ LAUNCH_SPEC = (
     "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
     "dsc_code_dir", "dsc_code_shared", "dsc_entry_module", "dsc_entry_script", "dsc_entry_args",
     "dsc_train_config", "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg",
-    "dsc_resume_args",
+    "dsc_resume_args", "dsc_launcher_args",
 )
+# DeepSpeed launcher options a run may add (dsc_launcher_args): flag -> takes a value. The rest
+# (hostfile, include, ports, node rank, ssh) are the plan's.
+LAUNCHER_OPTIONS = {"--bind_cores_to_rank": False, "--bind_core_list": True, "--no_local_rank": False,
+                    "--enable_each_rank_log": True}
+# DeepSpeed's monitor sections: a config with one keeps it (csv_monitor is added otherwise).
+MONITORS = ("csv_monitor", "tensorboard", "wandb", "comet")
+# Packages installed with torch, from the same CUDA-variant index (dsc_requirements).
+TORCH_FAMILY = ("torchvision", "torchaudio")
+# A credential inside a value (scheme://user:password@host).
+URL_CREDENTIAL = re.compile(r"://[^/@\s]+:[^/@\s]*@")
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 # Values DeepSpeed's runner puts on the remote command line unquoted; anything else it
 # double-quotes, where $() and backticks still expand: refused.
@@ -270,13 +286,134 @@ def _check_settings(s, first, problems, check_dir):
             check_env_var(problems, key, value, f"dsc_rank_env {where}")
 
 
+def read_requirements(s, where, problems):
+    """dsc_requirements plus the lines of dsc_requirements_file, each a plain PEP 508 requirement
+    (name, extras, version specifiers, markers): [(text, name)]. No URLs, options or editable
+    installs: what a node installs is named here, and the wheelhouse can be checked for it."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+    given = s["dsc_requirements"] or []
+    if not isinstance(given, list):
+        problems.add(f"dsc_requirements {where} is {given!r}. Fix: a list of requirements, e.g. "
+                     f"['transformers==4.57.6', 'datasets==5.0.1'].")
+        given = []
+    lines = [(str(r), "dsc_requirements") for r in given]
+    path = str(s["dsc_requirements_file"] or "")
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            problems.add(f"dsc_requirements_file {where} is {path!r}: {e.strerror}. Fix: the path "
+                         f"of a requirements file on the control node.")
+            text = ""
+        lines += [(line.split(" #")[0].strip(), f"dsc_requirements_file {path}")
+                  for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    out = []
+    for text, var in lines:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as e:
+            problems.add(f"{var} {where}: {text!r} is not a requirement ({e}). Fix: a name and "
+                         f"version such as 'transformers==4.57.6' (no pip options or URLs).")
+            continue
+        name = canonicalize_name(req.name)
+        if req.url:
+            problems.add(f"{var} {where}: {text!r} installs from a URL. Fix: a name and version; "
+                         f"put the wheel into dsc_wheelhouse (scripts/wheelhouse.sh).")
+        elif name in ("torch", "deepspeed"):
+            problems.add(f"{var} {where}: {text!r}. Fix: drop it; torch and DeepSpeed are "
+                         f"dsc_torch_version and dsc_deepspeed_version.")
+        else:
+            out.append((str(req), name))
+    return out
+
+
+def wheelhouse_gaps(requirements, wheelhouse):
+    """Requirements that no wheel or sdist in the wheelhouse satisfies: [(text, versions there)]."""
+    from packaging.requirements import Requirement
+    from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonicalize_name,
+                                 parse_sdist_filename, parse_wheel_filename)
+    have = {}
+    for f in os.listdir(wheelhouse):
+        try:
+            name, version = (parse_wheel_filename(f)[:2] if f.endswith(".whl")
+                             else parse_sdist_filename(f))
+        except (InvalidWheelFilename, InvalidSdistFilename):
+            continue
+        have.setdefault(canonicalize_name(name), []).append(version)
+    gaps = []
+    for text, name in requirements:
+        spec = Requirement(text).specifier
+        versions = have.get(name, [])
+        if not any(spec.contains(v, prereleases=True) for v in versions):
+            gaps.append((text, sorted(str(v) for v in versions)))
+    return gaps
+
+
+def _requirements(s, where, problems, check_dir):
+    """(torch-family requirements, the others): the first are installed with torch from its
+    index, the others with DeepSpeed; offline, each must be in the wheelhouse."""
+    reqs = read_requirements(s, where, problems)
+    wheelhouse = str(s["dsc_wheelhouse"] or "")
+    if reqs and wheelhouse and check_dir is not None and check_dir(wheelhouse):
+        for text, versions in wheelhouse_gaps(reqs, wheelhouse):
+            problems.add(f"dsc_requirements {where}: {text!r} is not in dsc_wheelhouse {wheelhouse} "
+                         f"({'it has ' + ', '.join(versions) if versions else 'none there'}); the "
+                         f"nodes install offline from it. Fix: REQUIREMENTS='{text}' "
+                         f"scripts/wheelhouse.sh {wheelhouse}, or another version.")
+    return ([t for t, n in reqs if n in TORCH_FAMILY], [t for t, n in reqs if n not in TORCH_FAMILY])
+
+
+def _data(s, where, problems, check_dir):
+    """The dataset directory: synced from the control node to the same path on every node, or
+    (dsc_data_shared) already there on a shared filesystem, checked by preflight."""
+    path = str(s["dsc_data_dir"] or "").rstrip("/")
+    if not path:
+        return {"dir": "", "shared": False}
+    _abs_path(problems, "dsc_data_dir", path, "/data/my-dataset", where)
+    shared = as_bool(s["dsc_data_shared"])
+    if not shared and check_dir is not None and not check_dir(path):
+        problems.add(f"dsc_data_dir {where} is {path!r}, which is not a directory on the control "
+                     f"node. Fix: the dataset directory to sync to every node, or set "
+                     f"dsc_data_shared: true for a path every node already has.")
+    return {"dir": path, "shared": shared}
+
+
+def secret_names(hostvars, names, problems):
+    """The names in dsc_secrets ({NAME: value}, one mapping for the cluster, usually an
+    ansible-vault file): checked here, values never shown or copied into the plan."""
+    seen = {}
+    for node in names:
+        value = (hostvars.get(node) or {}).get("dsc_secrets") or {}
+        if not isinstance(value, dict):
+            problems.add(f"dsc_secrets on host {node} is not a mapping. Fix: NAME: value pairs "
+                         f"(e.g. HF_TOKEN: !vault ...) in group_vars/cluster.")
+            return []
+        for key, v in value.items():
+            if not ENV_NAME.match(str(key)):
+                problems.add(f"dsc_secrets on host {node}: {key!r} is not a plain variable name. "
+                             f"Fix: letters, digits and '_', not starting with a digit.")
+            elif not isinstance(v, (str, int, float)) or "\0" in str(v):
+                problems.add(f"dsc_secrets on host {node}: the value of {key} is not a string. "
+                             f"Fix: a string (quoted in YAML).")
+        seen.setdefault(json.dumps(value, sort_keys=True, default=str), []).append(node)
+    if len(seen) > 1:
+        problems.add(f"dsc_secrets differs between nodes ({'; '.join(', '.join(h) for h in seen.values())}). "
+                     f"Fix: set it once for the group '{CLUSTER_GROUP}' (values not shown).")
+    first = (hostvars.get(names[0]) or {}).get("dsc_secrets") or {} if names else {}
+    return sorted(map(str, first)) if isinstance(first, dict) else []
+
+
 def check_env_var(problems, key, value, where):
     if not ENV_NAME.match(str(key)):
         problems.add(f"{where}: {key!r} is not a plain variable name. Fix: letters, digits and "
                      f"'_', not starting with a digit.")
     elif SECRET_NAME.search(str(key)):
-        problems.add(f"{where}: {key} looks like a secret. Fix: keep secrets out of the ranks' "
-                     f"environment file (its values land on every node's command line).")
+        problems.add(f"{where}: {key} looks like a secret. Fix: move it to dsc_secrets (an "
+                     f"ansible-vault value; this file's values land on every node's command line).")
+    elif URL_CREDENTIAL.search(str(value)):
+        problems.add(f"{where}: the value of {key} holds a password in a URL. Fix: move it to "
+                     f"dsc_secrets (an ansible-vault value), or drop the credentials from the URL.")
     if not DS_ENV_SAFE.match(str(value)):
         problems.add(f"{where}: the value of {key} is {str(value)!r}. Fix: letters, digits and "
                      f"'@%+=:,./-_' only (DeepSpeed's runner puts it on a shell command line).")
@@ -605,6 +742,24 @@ def _arguments(value, var, example, problems):
     return [str(a) for a in value]
 
 
+def _launcher_args(value, problems):
+    """dsc_launcher_args: the DeepSpeed launcher options a run may add (LAUNCHER_OPTIONS)."""
+    args = _arguments(value, "dsc_launcher_args", "['--bind_cores_to_rank']", problems)
+    i = 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name not in LAUNCHER_OPTIONS:
+            problems.add(f"dsc_launcher_args holds {args[i]!r}. Fix: one of "
+                         f"{', '.join(LAUNCHER_OPTIONS)}; the hostfile, GPUs, ports and nodes "
+                         f"come from the inventory.")
+        elif LAUNCHER_OPTIONS[name] and "=" not in args[i]:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                problems.add(f"dsc_launcher_args: {name} needs a value. Fix: {name} VALUE.")
+            i += 1
+        i += 1
+    return args
+
+
 def _entry(opt, paths, problems):
     """What the launcher starts: a module or a script inside the code directory, its arguments."""
     module, script = str(opt["dsc_entry_module"] or ""), str(opt["dsc_entry_script"] or "")
@@ -626,6 +781,7 @@ def _entry(opt, paths, problems):
         problems.add(f"dsc_entry_script is {script!r}, which is not in dsc_code_dir "
                      f"({code_dir}). Fix: a path relative to that directory.")
     return {"module": module, "script": script, "code_dir": code_dir, "shared": shared,
+            "launcher_args": _launcher_args(opt["dsc_launcher_args"], problems),
             "args": _arguments(opt["dsc_entry_args"], "dsc_entry_args", "['--set', 'steps=100']", problems),
             "resume_args": _arguments(opt["dsc_resume_args"], "dsc_resume_args",
                                       "['--resume'], or [] for a script that resumes from its own "
@@ -641,9 +797,10 @@ def _config_choice(opt, problems):
                      f"accelerate, 'auto' values kept; none: the script configures DeepSpeed).")
         mode = "preset"
     config_arg = str(opt["dsc_ds_config_arg"] or "") or CONFIG_ARGS[mode]
-    if config_arg not in ("--deepspeed_config", "--deepspeed", "none", ""):
+    if config_arg not in ("--deepspeed_config", "--deepspeed", "env", "none", ""):
         problems.add(f"dsc_ds_config_arg is {config_arg!r}. Fix: --deepspeed_config "
-                     f"(DeepSpeed-style scripts), --deepspeed (HF Trainer, accelerate) or none.")
+                     f"(DeepSpeed-style scripts), --deepspeed (HF Trainer), env (accelerate: "
+                     f"ACCELERATE_DEEPSPEED_CONFIG_FILE) or none.")
     config_arg = "" if config_arg == "none" or mode == "none" else config_arg
     user_file, user_config = str(opt["dsc_ds_config_file"] or ""), None
     if mode == "file" and not user_file:
@@ -692,7 +849,9 @@ def _rendered(paths, plan, env, problems):
 
 
 def _commands(plan, s, run_dir, entry, config_arg, resume):
-    """{node: the DeepSpeed launcher's argv}: the master alone (pdsh), or every node (no_ssh)."""
+    """{node: the DeepSpeed launcher's argv}: the master alone (pdsh), or every node (no_ssh).
+    Each rank runs the node helper's entry shim (secrets, progress), which runs the user's
+    script or module in the same process."""
     launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
                 "--hostfile", f"{run_dir}/hostfile", "--master_addr", plan["master_addr"]]
     if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
@@ -702,9 +861,11 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
     if any(n["gpu_ids"] for n in plan["nodes"]):  # DeepSpeed's NAME:SLOT[,SLOT]@NAME...
         launcher += ["--include", "@".join(
             f"{n['name']}:{','.join(map(str, n['gpu_ids'] or range(n['slots'])))}" for n in plan["nodes"])]
+    launcher += entry["launcher_args"]
     train_run = entry["module"] == "train.run" and not entry["script"]
-    program = ([entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
-        + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg else []) \
+    program = [plan["helper"], "entry"] \
+        + (["--script", entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
+        + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg.startswith("--") else []) \
         + (["--config", f"{run_dir}/train.json"] if train_run else []) \
         + entry["args"] + (entry["resume_args"] if resume else [])
     if s["dsc_launch_mode"] == "no_ssh":
@@ -758,7 +919,13 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     # name so that `python -m train.run` finds it.
     code_base = os.path.basename(os.path.normpath(entry["code_dir"]))
     package_dir = not entry["script"] and entry["module"].split(".")[0] == code_base
+    if config is not None and not any(k in config for k in MONITORS):
+        # DeepSpeed's own monitor (lr, samples) beside the entry shim's progress.jsonl.
+        config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/monitor/", "job_name": "ds"}
     env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
+    if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them
+        env.update(ACCELERATE_USE_DEEPSPEED="true",
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/ds_config.json")
     hostfile, env_text = _rendered(paths, plan, env, problems)
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume,
@@ -767,6 +934,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "max_restarts": int(opt["max_restarts"]),
         "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
         "ds_config": config, "config_mode": mode, "resume_args": entry["resume_args"],
+        "ds_config_file": str(opt["dsc_ds_config_file"] or ""),
         "code_dir": entry["code_dir"], "code_shared": entry["shared"],
         "code_dest": f"{run_dir}/code/{code_base}" if package_dir else f"{run_dir}/code",
         "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/code", "env": env,
@@ -829,6 +997,9 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                       f"inventory/example/hosts.yml), and check the -i path."]
     s = _cluster_settings(hostvars, defaults, names, problems)
     _check_settings(s, names[0], problems, check_dir)
+    torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
+    data = _data(s, f"on host {names[0]}", problems, check_dir)
+    secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems)
     for node in nodes:
         if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}):
@@ -869,6 +1040,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                     NCCL_DEBUG=str(s["dsc_nccl_debug"]),
                     DEEPSPEED_TIMEOUT=str(s["dsc_pg_timeout_min"]))
     rank_env.update({str(k): str(v) for k, v in (s["dsc_rank_env"] or {}).items()})
+    if secrets:  # the entry shim loads them from a 0600 file beside the run directory
+        rank_env["DSC_SECRETS"] = "1"
     manager = s["dsc_env_manager"]
     wheelhouse = str(s["dsc_wheelhouse"] or "")
     plan = {
@@ -900,6 +1073,10 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "conda_installer_file": str(s["dsc_conda_installer_file"] or ""),
         "conda_installer_sha256": str(s["dsc_conda_installer_sha256"] or ""),
         "wheelhouse": wheelhouse, "node_wheelhouse": f"{install_root}/wheelhouse",
+        # The cluster's own packages (dsc_requirements): torchvision/torchaudio with torch, from
+        # its index; the rest with DeepSpeed. Both installs hold torch and DeepSpeed at their pins.
+        "torch_requirements": torch_requirements, "requirements": requirements,
+        "data_dir": data["dir"], "data_shared": data["shared"], "secret_names": secrets,
         # pip's source: the wheelhouse pushed to the node when there is one (offline).
         "pip_offline_args": f"--no-index --find-links {install_root}/wheelhouse" if wheelhouse else "",
         "master_port_first": int(s["dsc_master_port"]),

@@ -290,3 +290,49 @@ def test_runs_table_has_a_row_per_run_newest_first(tmp_path):
     rows = dsc_node.runs_table(tmp_path)
     assert [(r["id"], r["state"], r["preset"], r["step"]) for r in rows] == [
         ("new", "failed", None, None), ("old", "finished", "zero3", 5)]
+
+
+def test_secrets_are_written_0600_beside_the_run_dir_never_in_it(tmp_path):
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    r = helper("write-secrets", run_dir, stdin=json.dumps({"HF_TOKEN": "hf_abc"}))
+    assert r.returncode == 0 and json.loads(r.stdout) == {"ok": True, "names": ["HF_TOKEN"]}
+    path = tmp_path / "runs" / ".secrets" / "r1.json"
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    assert not any("hf_abc" in p.read_text() for p in run_dir.rglob("*") if p.is_file())
+
+
+def test_the_entry_shim_runs_a_script_or_module_as_python_would_with_the_secrets(tmp_path):
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    helper("write-secrets", run_dir, stdin=json.dumps({"HF_TOKEN": "hf_abc"}))
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    show = ("import json, os, sys\n"
+            "print(json.dumps({'argv': sys.argv[1:], 'name': __name__, 'path0': sys.path[0],"
+            " 'token': os.environ.get('HF_TOKEN'), 'flag': os.environ.get('DSC_SECRETS')}))\n")
+    (code / "train.py").write_text(show)
+    (code / "pkg" / "__init__.py").write_text("")
+    (code / "pkg" / "run.py").write_text(show)
+    env = dict(os.environ, DSC_RUN_DIR=str(run_dir), DSC_SECRETS="1")
+    for target in (["--script", str(code / "train.py")], ["--module", "pkg.run"]):
+        r = subprocess.run([sys.executable, str(HELPER), "entry", *target, "--lr", "1", "--local_rank=0"],
+                           cwd=code, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out == {"argv": ["--lr", "1", "--local_rank=0"], "name": "__main__", "path0": str(code),
+                       "token": "hf_abc", "flag": None}
+    (tmp_path / "runs" / ".secrets" / "r1.json").unlink()
+    r = subprocess.run([sys.executable, str(HELPER), "entry", "--script", str(code / "train.py")],
+                       cwd=code, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "the run's secrets" in r.stderr and "Fix: launch the run again" in r.stderr
+
+
+def test_status_reads_any_scripts_progress_when_there_are_no_metrics(tmp_path):
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "progress.jsonl").write_text(json.dumps({"step": 4, "loss": 2.5, "lr": 1e-3}) + "\n"
+                                        + json.dumps({"step": 8, "loss": 2.1, "lr": 1e-3}) + "\n")
+    assert dsc_node.status(run, "r1")["last"]["step"] == 8
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 9, "loss": 2.0, "tokens_per_s": 10}) + "\n")
+    assert dsc_node.status(run, "r1")["last"]["tokens_per_s"] == 10  # train.run's own, richer

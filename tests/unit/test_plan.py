@@ -112,6 +112,18 @@ BAD = [
     ({"dsc_rank_env": {"BAD NAME": "x"}}, "'BAD NAME' is not a plain variable name"),
     ({"dsc_addr": "10.0.0.300"}, "dsc_addr on host node1 is '10.0.0.300', not an IPv4 address"),
     ({"dsc_addr": "10.0.0.11\nProxyCommand x"}, "dsc_addr on host node1"),
+    ({"dsc_rank_env": {"MLFLOW_TRACKING_URI": "https://user:pw@mlflow.lab"}}, "holds a password in a URL"),
+    ({"dsc_requirements": ["transformers>=>4"]}, "dsc_requirements on host node1: 'transformers>=>4' is not a requirement"),
+    ({"dsc_requirements": ["--index-url http://x"]}, "is not a requirement"),
+    ({"dsc_requirements": ["pkg @ https://example.org/pkg.whl"]}, "installs from a URL"),
+    ({"dsc_requirements": ["torch==2.0"]}, "torch and DeepSpeed are dsc_torch_version"),
+    ({"dsc_requirements": "transformers"}, "Fix: a list of requirements"),
+    ({"dsc_requirements_file": "/nonexistent/req.txt"}, "dsc_requirements_file on host node1 is '/nonexistent/req.txt'"),
+    ({"dsc_data_dir": "/nonexistent/data"}, "dsc_data_dir on host node1 is '/nonexistent/data', which is not a directory"),
+    ({"dsc_data_dir": "data/rel"}, "dsc_data_dir on host node1 is 'data/rel', not an absolute path"),
+    ({"dsc_data_dir": "/data;id"}, "dsc_data_dir on host node1 is '/data;id'"),
+    ({"dsc_secrets": {"HF TOKEN": "x"}}, "dsc_secrets on host node1: 'HF TOKEN' is not a plain variable name"),
+    ({"dsc_secrets": ["HF_TOKEN"]}, "dsc_secrets on host node1 is not a mapping"),
 ]
 
 
@@ -379,6 +391,9 @@ def test_file_mode_keeps_the_users_config(tmp_path):
                      full_run=True)
     assert errors == []
     cfg = json.loads(p["run"]["files"]["ds_config.json"])
+    # DeepSpeed's csv monitor is added (the user's config has none); nothing else of the toolkit's
+    assert cfg.pop("csv_monitor") == {"enabled": True, "job_name": "ds",
+                                      "output_path": f"{p['run']['dir']}/monitor/"}
     assert cfg == USER_CONFIG  # no preset, batch or optimizer of the toolkit's slipped in
     assert "--deepspeed_config" in p["run"]["commands"]["node1"]
 
@@ -474,3 +489,98 @@ def test_a_bad_gpu_selection_is_refused(chosen, slots, needle):
     hostvars["node1"]["dsc_slots"] = slots
     p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert p is None and any(needle in e for e in errors), errors
+
+
+# --- the user's own script: entry shim, launcher options, requirements, data, secrets ---
+
+def test_every_rank_starts_through_the_entry_shim(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    p, errors = plan(options={"dsc_code_dir": str(tmp_path), "dsc_entry_script": "train.py",
+                              "dsc_launcher_args": ["--bind_cores_to_rank", "--no_local_rank"]},
+                     full_run=True)
+    assert errors == []
+    cmd = p["run"]["commands"]["node1"]
+    shim = cmd.index(p["helper"])
+    assert cmd[shim:shim + 4] == [p["helper"], "entry", "--script", "train.py"]
+    # launcher options go before the program, after the plan's own
+    assert cmd[shim - 2:shim] == ["--bind_cores_to_rank", "--no_local_rank"]
+    cmd = plan(full_run=True)[0]["run"]["commands"]["node1"]
+    assert cmd[cmd.index("entry"):cmd.index("entry") + 3] == ["entry", "--module", "train.run"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--hostfile", "/tmp/h"], "dsc_launcher_args holds '--hostfile'"),
+    (["--master_port=1"], "dsc_launcher_args holds '--master_port=1'"),
+    (["--bind_core_list"], "--bind_core_list needs a value"),
+    (["--enable_each_rank_log", "$(id)"], "dsc_launcher_args holds '$(id)'"),
+])
+def test_launcher_options_outside_the_allowed_set_are_refused(args, needle):
+    p, errors = plan(options={"dsc_launcher_args": args}, full_run=True)
+    assert p is None and any(needle in e for e in errors), errors
+
+
+def test_accelerate_gets_the_config_through_its_own_variables():
+    p, errors = plan(options={"dsc_ds_config_mode": "hf", "dsc_ds_config_arg": "env"}, full_run=True)
+    assert errors == []
+    run = p["run"]
+    env = dsc_plan.parse_ds_env(run["files"][".deepspeed_env"])
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == f"{run['dir']}/ds_config.json"
+    assert not any(a.startswith("--deepspeed") for a in run["commands"]["node1"])
+    assert json.loads(run["files"]["ds_config.json"])["train_micro_batch_size_per_gpu"] == "auto"
+
+
+def test_a_users_own_monitor_is_kept(tmp_path):
+    cfg = dict(USER_CONFIG, tensorboard={"enabled": True, "output_path": "/tmp/tb"})
+    p, errors = plan(options={"dsc_ds_config_mode": "file", "dsc_ds_config_file": user_file(tmp_path, cfg)},
+                     full_run=True)
+    assert errors == []
+    out = json.loads(p["run"]["files"]["ds_config.json"])
+    assert "csv_monitor" not in out and out["tensorboard"]["output_path"] == "/tmp/tb"
+    assert "ds_config.json" not in plan(options={"dsc_ds_config_mode": "none"}, full_run=True)[0]["run"]["files"]
+
+
+def wheelhouse(tmp_path, *files):
+    d = tmp_path / "wheels"
+    d.mkdir()
+    for f in files:
+        (d / f).write_text("")
+    return str(d)
+
+
+def test_requirements_split_torch_family_and_are_checked_against_the_wheelhouse(tmp_path):
+    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl", "torchvision-0.28.0-cp311-cp311-linux_x86_64.whl",
+                    "Datasets-5.0.1-py3-none-any.whl")
+    req = tmp_path / "requirements.txt"
+    req.write_text("# the script's packages\ndatasets==5.0.1  # comment\n\n")
+    p, errors = plan(dsc_requirements=["transformers==4.57.6", "torchvision==0.28.0"],
+                     dsc_requirements_file=str(req), dsc_wheelhouse=wh)
+    assert errors == []
+    assert p["torch_requirements"] == ["torchvision==0.28.0"]
+    assert p["requirements"] == ["transformers==4.57.6", "datasets==5.0.1"]
+    p, errors = plan(dsc_requirements=["transformers==9.9", "accelerate"], dsc_wheelhouse=wh)
+    assert any("'transformers==9.9' is not in dsc_wheelhouse" in e and "it has 4.57.6" in e
+               and "scripts/wheelhouse.sh" in e for e in errors), errors
+    assert any("'accelerate' is not in dsc_wheelhouse" in e and "none there" in e for e in errors), errors
+
+
+def test_data_dir_synced_or_shared(tmp_path):
+    p, errors = plan(dsc_data_dir=str(tmp_path) + "/")
+    assert errors == [] and (p["data_dir"], p["data_shared"]) == (str(tmp_path), False)
+    p, errors = plan(dsc_data_dir="/shared/datasets/c4", dsc_data_shared=True)  # checked by preflight
+    assert errors == [] and p["data_shared"] is True
+
+
+def test_secrets_reach_the_plan_by_name_only():
+    p, errors = plan(dsc_secrets={"HF_TOKEN": "hf_secret_value", "WANDB_API_KEY": "wandb-secret"},
+                     full_run=True)
+    assert errors == []
+    assert p["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and p["rank_env"]["DSC_SECRETS"] == "1"
+    text = json.dumps(p)
+    assert "hf_secret_value" not in text and "wandb-secret" not in text
+    hostvars, groups, probes = cluster(2)
+    hostvars["node1"]["dsc_secrets"] = {"HF_TOKEN": "one-value"}
+    hostvars["node2"]["dsc_secrets"] = {"HF_TOKEN": "other-value"}
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert any("dsc_secrets differs between nodes (node1; node2)" in e for e in errors), errors
+    assert not any("one-value" in e or "other-value" in e for e in errors)
