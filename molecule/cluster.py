@@ -164,6 +164,8 @@ dsc_cluster_name: testcluster
 dsc_env_manager: venv
 dsc_torch_variant: cpu
 dsc_wheelhouse: {wheelhouse}
+# The vendored third-party scripts' packages (molecule/tests/test_own_scripts.py).
+dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.txt'}
 """)
 
 

@@ -108,12 +108,18 @@ def write_secrets(run_dir, values):
     return {"ok": True, "names": sorted(values)}
 
 
-class Progress:
-    """Each optimizer step of DeepSpeed's engine, as global rank 0 sees it, appended to the run's
-    progress.jsonl at most every `every` seconds: step, loss (the mean over the micro-batches
-    since the last line), lr, samples, samples/s. The loss is read (.item(), a device sync) only
-    when a line is written. Installed as an import hook: the engine is patched when the script
-    imports DeepSpeed, whatever imports it (the script, HF's Trainer, accelerate)."""
+class EngineWatch:
+    """What every rank's DeepSpeed engine does for the toolkit, whatever script drives it:
+    - progress: each optimizer step, as global rank 0 sees it, appended to the run's
+      progress.jsonl at most every `every` seconds: step, loss (the mean over the micro-batches
+      since the last line), lr, samples, samples/s. The loss is read (.item(), a device sync)
+      only when a line is written.
+    - node-local checkpoints: with checkpoint.use_node_local_storage (run directories are per
+      node) DeepSpeed has each node's local rank 0 save the shared state, but writes the
+      `latest` tag on global rank 0 only, so load_checkpoint(tag=None) - HF's Trainer and
+      accelerate resume that way - fails on every other node. Their local rank 0 writes it too.
+    Installed as an import hook: the engine class is patched when the script imports DeepSpeed,
+    whoever imports it (the script, HF's Trainer, accelerate)."""
     MODULE = "deepspeed.runtime.engine"
 
     def __init__(self, path, every=2.0):
@@ -138,7 +144,8 @@ class Progress:
         return spec
 
     def patch(self, engine_class):
-        backward, step, hook = engine_class.backward, engine_class.step, self
+        backward, step, save, hook = (engine_class.backward, engine_class.step,
+                                      engine_class.save_checkpoint, self)
 
         def watched_backward(engine, loss, *args, **kwargs):
             if engine.global_rank == 0 and hasattr(loss, "detach"):
@@ -154,7 +161,15 @@ class Progress:
                 if time.time() - hook.time >= hook.every or hook.written_step == 0:
                     hook.write()
             return out
+        def node_local_save(engine, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006
+            tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            out = save(engine, save_dir, tag, client_state, save_latest, **kwargs)
+            if save_latest and engine.use_node_local_storage() and engine.local_rank == 0 \
+                    and engine.global_rank != 0:
+                write_atomic(Path(save_dir) / "latest", str(tag))
+            return out
         engine_class.backward, engine_class.step = watched_backward, watched_step
+        engine_class.save_checkpoint = node_local_save
         import atexit
         atexit.register(lambda: self.step != self.written_step and self.write())
 
@@ -176,10 +191,11 @@ class Progress:
         self.time, self.samples = now, samples
 
 
-def entry(args):
+def entry(args, local_rank=()):
     """A rank: the run's secrets into this process's environment (they never pass a command
     line), the progress hook, then the user's script or module run here as `python FILE` or
-    `python -m NAME` would (sys.argv, sys.path[0], __main__)."""
+    `python -m NAME` would (sys.argv, sys.path[0], __main__). DeepSpeed's launcher puts
+    --local_rank=N right after the program (this helper): it goes back right after the user's."""
     if len(args) < 2 or args[0] not in ("--script", "--module"):
         print("usage: dsc_node.py entry --script FILE | --module NAME [ARGS...]", file=sys.stderr)
         return 2
@@ -192,9 +208,9 @@ def entry(args):
             raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
                              f"be read: {e}. Fix: launch the run again (launch.yml writes them).")
     if run_dir:
-        sys.meta_path.insert(0, Progress(RunDir(run_dir) / RunDir.PROGRESS))
+        sys.meta_path.insert(0, EngineWatch(RunDir(run_dir) / RunDir.PROGRESS))
     import runpy
-    sys.argv = [target] + rest
+    sys.argv = [target] + list(local_rank) + rest
     if kind == "--module":
         sys.path[0] = os.getcwd()
         runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -894,6 +910,40 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args)
 
 
+LATEST = re.compile(r"^\{latest:(.+)\}$")
+SAFE_ARG = re.compile(r"^[\w@%+=:,./-]*$")
+
+
+def newest(pattern, cwd="."):
+    """The newest path matching the glob, by the last number in its name (checkpoint-40 after
+    checkpoint-9), then by mtime; None if nothing matches."""
+    def key(p):
+        nums = re.findall(r"\d+", os.path.basename(p.rstrip("/")))
+        return (int(nums[-1]) if nums else -1, os.path.getmtime(os.path.join(cwd, p)))
+    import glob
+    found = [p for p in glob.glob(pattern, root_dir=cwd) if SAFE_ARG.match(p)]
+    return max(found, key=key) if found else None
+
+
+def resolve_latest(argv, cwd="."):
+    """A script's resume arguments, as the plan allows them: `{latest:GLOB}` becomes the newest
+    match (e.g. HF's --resume_from_checkpoint out/checkpoint-40); with no match yet (stopped
+    before the first save) it is dropped with the option right before it, and the run starts
+    over."""
+    out = []
+    for arg in argv:
+        m = LATEST.match(arg)
+        if not m:
+            out.append(arg)
+            continue
+        path = newest(m.group(1), cwd)
+        if path:
+            out.append(path)
+        elif out and out[-1].startswith("-"):
+            out.pop()
+    return out
+
+
 def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=()):
     log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -910,7 +960,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=()):
         # never missed, and status reads the latest attempt's error, not an earlier one's.
         offset = (run / RunDir.LOG).stat().st_size
         write_atomic(run / RunDir.ATTEMPT, json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
-        child = subprocess.Popen(attempt, env=env, stdin=subprocess.DEVNULL)
+        child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
         (run / RunDir.CHILD).write_text(str(child.pid))
         code, cause, torn = watch(child, run, run_id, list(hosts), offset)
         if cause:
@@ -982,6 +1032,9 @@ def command(argv):
     if not argv:
         print(__doc__)
         return 2
+    # DeepSpeed's launcher: `python -u dsc_node.py --local_rank=N entry ...` (unless --no_local_rank)
+    local_rank = argv[:1] if argv[0].startswith("--local_rank=") else []
+    argv = argv[len(local_rank):] or [""]
     cmd, args = argv[0], argv[1:]
     if cmd in JSON_COMMANDS:
         print(json.dumps(JSON_COMMANDS[cmd](json.loads(os.environ.get("DSC_PREFLIGHT", "{}")))))
@@ -1015,7 +1068,7 @@ def command(argv):
     elif cmd == "write-secrets":
         print(json.dumps(write_secrets(args[0], json.load(sys.stdin))))
     elif cmd == "entry":
-        return entry(args)
+        return entry(args, local_rank)
     elif cmd == "write-exit":  # the supervisor's record of how the run ended, on a worker
         if os.path.isdir(args[0]):
             write_atomic(RunDir(args[0]) / RunDir.EXIT, f"{int(args[1])}\n")

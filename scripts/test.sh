@@ -17,13 +17,13 @@ set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no unit tests: that is a failure"; exit 1; fi
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 need=()
-for tool in podman runc debootstrap ssh-keygen; do command -v "$tool" >/dev/null || need+=("$tool"); done
+for tool in podman runc debootstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if [ ${#need[@]} -gt 0 ]; then
-  echo "== installing podman runc debootstrap openssh-client"
+  echo "== installing podman runc debootstrap openssh-client rsync"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client rsync >/dev/null
 fi
-echo "== wheelhouse";     bash scripts/wheelhouse.sh
+echo "== wheelhouse";     REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
 echo "== node image";     bash scripts/build-image.sh
 if [ ! -x .cache/train-venv/bin/deepspeed ]; then
   echo "== train venv (offline, from the wheelhouse)"

@@ -53,7 +53,7 @@ def procs(cluster, node, run_id):
 
 def rank_pids(cluster, node, run_id):
     return [p["pid"] for p in procs(cluster, node, run_id) or []
-            if "-m train.run" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
+            if "entry --module train.run" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
 
 
 def nothing_left(cluster, nodes, run_id, only_this_run=False):

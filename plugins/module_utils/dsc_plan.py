@@ -93,6 +93,9 @@ LAUNCH_SPEC = (
 # (hostfile, include, ports, node rank, ssh) are the plan's.
 LAUNCHER_OPTIONS = {"--bind_cores_to_rank": False, "--bind_core_list": True, "--no_local_rank": False,
                     "--enable_each_rank_log": True}
+# A resume argument the node helper replaces with the newest path matching the glob, relative to
+# the run's working directory (dropped, with the option before it, while there is none).
+LATEST = re.compile(r"^\{latest:[\w@%+=:,./*?-]+\}$")
 # DeepSpeed's monitor sections: a config with one keeps it (csv_monitor is added otherwise).
 MONITORS = ("csv_monitor", "tensorboard", "wandb", "comet")
 # Packages installed with torch, from the same CUDA-variant index (dsc_requirements).
@@ -622,6 +625,8 @@ def compose_config(mode, templates_dir, preset, explicit, accelerator, caps, siz
         base = json.loads((Path(templates_dir) / "ds_config" / "_base.json").read_text())
         base.pop("optimizer", None)
         cfg = merge(merge(base, presets(templates_dir)[preset]), HF_AUTO)
+        if cfg.get("zero_optimization", {}).get("stage") == 3:  # HF's and accelerate's save_model
+            cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     else:
         cfg = copy.deepcopy(user_config)
         if "preset" in explicit:
@@ -730,13 +735,14 @@ def _run_id(opt, preset, plan, runs_seen, now, problems):
     return run_id
 
 
-def _arguments(value, var, example, problems):
-    """A list of command-line arguments in the charset DeepSpeed's pdsh runner passes safely."""
+def _arguments(value, var, example, problems, also=None):
+    """A list of command-line arguments in the charset DeepSpeed's pdsh runner passes safely
+    (`also`: a pattern of further arguments allowed, resolved by the node helper)."""
     if not isinstance(value, list):
         problems.add(f"{var} is {value!r}. Fix: a list of arguments, e.g. {example}.")
         return []
     for arg in value:
-        if not DS_ENV_SAFE.match(str(arg)):
+        if not DS_ENV_SAFE.match(str(arg)) and not (also and also.match(str(arg))):
             problems.add(f"{var} holds {str(arg)!r}. Fix: letters, digits and '@%+=:,./-_' only "
                          f"(the pdsh launcher passes arguments through a shell on every node).")
     return [str(a) for a in value]
@@ -784,8 +790,9 @@ def _entry(opt, paths, problems):
             "launcher_args": _launcher_args(opt["dsc_launcher_args"], problems),
             "args": _arguments(opt["dsc_entry_args"], "dsc_entry_args", "['--set', 'steps=100']", problems),
             "resume_args": _arguments(opt["dsc_resume_args"], "dsc_resume_args",
-                                      "['--resume'], or [] for a script that resumes from its own "
-                                      "output dir", problems)}
+                                      "['--resume'], ['--resume_from_checkpoint', "
+                                      "'{latest:out/checkpoint-*}'], or [] for a script that resumes "
+                                      "from its own output dir", problems, LATEST)}
 
 
 def _config_choice(opt, problems):
@@ -922,10 +929,18 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if config is not None and not any(k in config for k in MONITORS):
         # DeepSpeed's own monitor (lr, samples) beside the entry shim's progress.jsonl.
         config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/monitor/", "job_name": "ds"}
+    if config is not None and "use_node_local_storage" not in config.get("checkpoint", {}):
+        # Run directories are per node: each node's local rank 0 saves the shared checkpoint
+        # state (a shared filesystem sets it false in its own config).
+        config["checkpoint"] = dict(config.get("checkpoint", {}), use_node_local_storage=True)
     env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
-    if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them
+    if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them; its
+        # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
+        dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
         env.update(ACCELERATE_USE_DEEPSPEED="true",
-                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/ds_config.json")
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/ds_config.json",
+                   ACCELERATE_MIXED_PRECISION="bf16" if dtype["bf16"]["enabled"]
+                   else "fp16" if dtype["fp16"]["enabled"] else "no")
     hostfile, env_text = _rendered(paths, plan, env, problems)
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume,

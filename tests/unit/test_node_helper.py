@@ -316,11 +316,12 @@ def test_the_entry_shim_runs_a_script_or_module_as_python_would_with_the_secrets
     (code / "pkg" / "run.py").write_text(show)
     env = dict(os.environ, DSC_RUN_DIR=str(run_dir), DSC_SECRETS="1")
     for target in (["--script", str(code / "train.py")], ["--module", "pkg.run"]):
-        r = subprocess.run([sys.executable, str(HELPER), "entry", *target, "--lr", "1", "--local_rank=0"],
+        # as DeepSpeed's launcher starts it: --local_rank=N right after the program
+        r = subprocess.run([sys.executable, str(HELPER), "--local_rank=0", "entry", *target, "--lr", "1"],
                            cwd=code, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
-        assert out == {"argv": ["--lr", "1", "--local_rank=0"], "name": "__main__", "path0": str(code),
+        assert out == {"argv": ["--local_rank=0", "--lr", "1"], "name": "__main__", "path0": str(code),
                        "token": "hf_abc", "flag": None}
     (tmp_path / "runs" / ".secrets" / "r1.json").unlink()
     r = subprocess.run([sys.executable, str(HELPER), "entry", "--script", str(code / "train.py")],
@@ -336,3 +337,13 @@ def test_status_reads_any_scripts_progress_when_there_are_no_metrics(tmp_path):
     assert dsc_node.status(run, "r1")["last"]["step"] == 8
     (run / "metrics.jsonl").write_text(json.dumps({"step": 9, "loss": 2.0, "tokens_per_s": 10}) + "\n")
     assert dsc_node.status(run, "r1")["last"]["tokens_per_s"] == 10  # train.run's own, richer
+
+
+def test_latest_checkpoint_placeholder_takes_the_highest_step_or_drops_the_option(tmp_path):
+    for name in ("checkpoint-9", "checkpoint-40", "checkpoint-100x", "other"):
+        (tmp_path / "out" / name).mkdir(parents=True)
+    argv = ["deepspeed", "run.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
+    assert dsc_node.resolve_latest(argv, tmp_path)[-1] == "out/checkpoint-100x"
+    (tmp_path / "out" / "checkpoint-100x").rmdir()
+    assert dsc_node.resolve_latest(argv, tmp_path)[-2:] == ["--resume_from_checkpoint", "out/checkpoint-40"]
+    assert dsc_node.resolve_latest(argv, tmp_path / "nothing") == ["deepspeed", "run.py"]

@@ -391,9 +391,11 @@ def test_file_mode_keeps_the_users_config(tmp_path):
                      full_run=True)
     assert errors == []
     cfg = json.loads(p["run"]["files"]["ds_config.json"])
-    # DeepSpeed's csv monitor is added (the user's config has none); nothing else of the toolkit's
+    # DeepSpeed's csv monitor is added (the user's config has none), and checkpoints are
+    # node-local (run directories are per node); nothing else of the toolkit's
     assert cfg.pop("csv_monitor") == {"enabled": True, "job_name": "ds",
                                       "output_path": f"{p['run']['dir']}/monitor/"}
+    assert cfg.pop("checkpoint") == {"use_node_local_storage": True}
     assert cfg == USER_CONFIG  # no preset, batch or optimizer of the toolkit's slipped in
     assert "--deepspeed_config" in p["run"]["commands"]["node1"]
 
@@ -530,13 +532,17 @@ def test_accelerate_gets_the_config_through_its_own_variables():
     assert json.loads(run["files"]["ds_config.json"])["train_micro_batch_size_per_gpu"] == "auto"
 
 
-def test_a_users_own_monitor_is_kept(tmp_path):
+def test_a_users_own_monitor_and_checkpoint_storage_are_kept(tmp_path):
     cfg = dict(USER_CONFIG, tensorboard={"enabled": True, "output_path": "/tmp/tb"})
     p, errors = plan(options={"dsc_ds_config_mode": "file", "dsc_ds_config_file": user_file(tmp_path, cfg)},
                      full_run=True)
     assert errors == []
     out = json.loads(p["run"]["files"]["ds_config.json"])
     assert "csv_monitor" not in out and out["tensorboard"]["output_path"] == "/tmp/tb"
+    cfg = dict(USER_CONFIG, checkpoint={"use_node_local_storage": False})  # a shared filesystem
+    p, errors = plan(options={"dsc_ds_config_mode": "file", "dsc_ds_config_file": user_file(tmp_path, cfg)},
+                     full_run=True)
+    assert json.loads(p["run"]["files"]["ds_config.json"])["checkpoint"] == {"use_node_local_storage": False}
     assert "ds_config.json" not in plan(options={"dsc_ds_config_mode": "none"}, full_run=True)[0]["run"]["files"]
 
 
@@ -584,3 +590,13 @@ def test_secrets_reach_the_plan_by_name_only():
     p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert any("dsc_secrets differs between nodes (node1; node2)" in e for e in errors), errors
     assert not any("one-value" in e or "other-value" in e for e in errors)
+
+
+def test_latest_checkpoint_placeholder_only_in_resume_args():
+    p, errors = plan(options={"dsc_resume_args": ["--resume_from_checkpoint", "{latest:out/checkpoint-*}"]},
+                     full_run=True)
+    assert errors == [] and p["run"]["resume_args"][-1] == "{latest:out/checkpoint-*}"
+    p, errors = plan(options={"dsc_entry_args": ["{latest:out/checkpoint-*}"]}, full_run=True)
+    assert any("dsc_entry_args holds '{latest:out/checkpoint-*}'" in e for e in errors), errors
+    p, errors = plan(options={"dsc_resume_args": ["{latest:$(id)}"]}, full_run=True)
+    assert any("dsc_resume_args holds '{latest:$(id)}'" in e for e in errors), errors

@@ -1,0 +1,312 @@
+"""Users' own training scripts through launch.yml on the container cluster (2 nodes x 1 CPU rank):
+three public scripts this project did not write (tests/fixtures/scripts/SOURCES.md), each with
+zero2 and zero3 across both nodes to completion, one stopped and resumed, one restarted by
+max_restarts; their requirements on every node; a dataset synced; secrets that reach the ranks
+and nothing else; and the bad inputs refused before any node changes."""
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "scripts"
+RUNS = "/opt/dscluster/runs"
+ENV = "/opt/dscluster/env"
+# The dataset (text, tokenizer, tiny GPT-2 config) as a user keeps it on the control node;
+# dsc_data_dir syncs it to the same path on every node.
+DATA = "/tmp/dscluster-test-data"
+SECRET = "hf_dsctest_7f3a91c2e5b8d4"
+
+
+def e(**values):
+    return ["-e", json.dumps(values)]
+
+
+def launch(cluster, run_id, *extra, ok=True):
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {RUNS}/{run_id}", check=False)
+    r = cluster.playbook("launch.yml", *e(run_id=run_id, dsc_data_dir=DATA), *extra)
+    if ok:
+        assert r.returncode == 0, r.output[-6000:]
+    return r
+
+
+def status(cluster, run_id):
+    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}",
+                                   user="dstrain").stdout)
+
+
+def wait(cond, timeout, what, every=1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def shown_status(cluster, run_id):
+    r = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
+    assert r.returncode == 0, r.output[-3000:]
+    return r.output
+
+
+def assert_finished_with_progress(cluster, run_id, steps):
+    st = status(cluster, run_id)
+    assert st["state"] == "finished", (st, cluster.exec(cluster.master, f"tail -40 {RUNS}/{run_id}/launcher.log").stdout)
+    assert st["last"]["step"] == steps and st["last"]["loss"] > 0, st
+    log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+    assert "dist_world_size=2" in log  # both nodes' ranks
+    out = shown_status(cluster, run_id)
+    assert f"run {run_id}: finished" in out and f"step {steps}, loss " in out, out[-2000:]
+    return st
+
+
+@pytest.fixture(scope="module")
+def data(provisioned):
+    shutil.rmtree(DATA, ignore_errors=True)
+    shutil.copytree(FIXTURES / "data", DATA)
+    return DATA
+
+
+CIFAR = ["-e", f"dsc_code_dir={FIXTURES / 'cifar'}", "-e", "dsc_entry_script=cifar10_deepspeed.py",
+         "-e", "dsc_ds_config_mode=none", *e(dsc_resume_args=[])]
+
+
+HF_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+LM_DATA = ["--model_type", "gpt2", "--config_name", f"{DATA}/gpt2-tiny", "--tokenizer_name", f"{DATA}/tokenizer",
+           "--train_file", f"{DATA}/train.txt", "--block_size", "64", "--per_device_train_batch_size", "4"]
+
+
+def clm_entry_args(steps, save_steps):
+    # --save_on_each_node: run directories are per node, so each node keeps the Trainer's state
+    return LM_DATA + ["--do_train", "--max_steps", str(steps), "--logging_steps", "2",
+                      "--save_steps", str(save_steps), "--save_on_each_node", "--output_dir", "out",
+                      "--report_to", "none"]
+
+
+def clm_args(preset, steps, save_steps=10):
+    """transformers' run_clm.py: HF Trainer, the toolkit's preset with HF's "auto" values."""
+    return ["-e", f"preset={preset}", "-e", f"dsc_code_dir={FIXTURES / 'clm'}", "-e", "dsc_entry_script=run_clm.py",
+            "-e", "dsc_ds_config_mode=hf",
+            *e(dsc_resume_args=["--resume_from_checkpoint", "{latest:out/checkpoint-*}"], dsc_rank_env=HF_OFFLINE,
+               dsc_entry_args=clm_entry_args(steps, save_steps))]
+
+
+def accelerate_args(preset, steps, checkpoint_every=6):
+    """accelerate's example: DeepSpeed through accelerate's own variables, no --local_rank."""
+    return ["-e", f"preset={preset}", "-e", f"dsc_code_dir={FIXTURES / 'clm'}",
+            "-e", "dsc_entry_script=deepspeed_with_config_support.py", "-e", "dsc_ds_config_mode=hf",
+            "-e", "dsc_ds_config_arg=env",
+            *e(dsc_resume_args=["--resume_from_checkpoint", "{latest:out/step_*}"], dsc_launcher_args=["--no_local_rank"],
+               dsc_rank_env=HF_OFFLINE,
+               dsc_entry_args=LM_DATA + ["--max_train_steps", str(steps), "--checkpointing_steps",
+                                         str(checkpoint_every), "--output_dir", "out"])]
+
+
+def test_requirements_are_installed_at_the_same_version_on_every_node(provisioned, cluster):
+    want = [line.split("==") for line in (FIXTURES / "requirements.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    probe = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+    for n in cluster.names:
+        got = json.loads(cluster.exec(n, f"{ENV}/bin/python -c '{probe}' {' '.join(p for p, _ in want)}",
+                                      user="dstrain").stdout)
+        assert got == dict(want), (n, got)
+    assert "Install the cluster's requirements (transformers==4.57.6" in provisioned["first"].output
+
+
+def test_a_package_changed_on_one_node_is_a_preflight_fail(provisioned, cluster, tmp_path):
+    worker = cluster.names[1]
+    wheel_dir = tmp_path / "w"
+    subprocess.run(["python3", "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheel_dir), "packaging==26.3"],
+                   check=True, capture_output=True)
+    wheel = next(wheel_dir.glob("packaging-26.3-*.whl"))
+    was = cluster.exec(worker, f"{ENV}/bin/python -c 'import importlib.metadata as m; print(m.version(\"packaging\"))'").stdout.strip()
+    assert was != "26.3"
+    cluster.copy_to(worker, wheel, f"/tmp/{wheel.name}")
+    try:
+        cluster.exec(worker, f"{ENV}/bin/pip install -q --no-deps --no-index /tmp/{wheel.name}", user="dstrain")
+        r = cluster.playbook("preflight.yml")
+        assert r.returncode != 0
+        assert f"packaging 26.3 here, {was} on {cluster.master}" in r.output, r.output[-4000:]
+        assert "FAIL" in r.output and worker in r.output
+    finally:
+        cluster.exec(worker, f"{ENV}/bin/pip install -q --no-deps --no-index --find-links /opt/dscluster/wheelhouse "
+                             f"packaging=={was}", user="dstrain")
+    assert cluster.playbook("preflight.yml").returncode == 0
+
+
+@pytest.mark.parametrize("preset", ["zero2", "zero3"])
+def test_deepspeed_examples_cifar_trains_across_both_nodes(data, cluster, preset):
+    """The script passes its own config to deepspeed.initialize (mode none, its --stage flag)."""
+    run_id = f"own-cifar-{preset}"
+    launch(cluster, run_id, *CIFAR, "-e", f"preset={preset}", "-e", "follow=true",
+           *e(dsc_entry_args=["--deepspeed", "--stage", preset[-1], "--epochs", "1", "--log-interval", "8",
+                              "--dtype", "fp32"]))
+    # 512 synthetic samples, the script's global batch of 16: 32 steps
+    assert_finished_with_progress(cluster, run_id, 32)
+    log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+    assert f"ZeRO Stage {preset[-1]}" in log or f'"stage": {preset[-1]}' in log, log[-3000:]
+    assert "Finished Training" in log and "Accuracy of the network" in log
+
+
+@pytest.mark.parametrize("preset", ["zero2", "zero3"])
+def test_transformers_run_clm_trains_across_both_nodes(data, cluster, preset):
+    run_id = f"own-clm-{preset}"
+    launch(cluster, run_id, *clm_args(preset, 12), "-e", "follow=true")
+    assert_finished_with_progress(cluster, run_id, 12)
+    cfg = json.loads(cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/ds_config.json").stdout)
+    assert cfg["zero_optimization"]["stage"] == int(preset[-1]) and cfg["train_batch_size"] == "auto"
+    log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+    assert "***** Running training *****" in log and "train_loss" in log
+    # DeepSpeed's own monitor wrote its csv into the run directory
+    cluster.exec(cluster.master, f"test -s {RUNS}/{run_id}/monitor/ds/Train_Samples_lr.csv")
+
+
+@pytest.mark.parametrize("preset", ["zero2", "zero3"])
+def test_accelerate_script_trains_across_both_nodes(data, cluster, preset):
+    run_id = f"own-acc-{preset}"
+    launch(cluster, run_id, *accelerate_args(preset, 12), "-e", "follow=true")
+    assert_finished_with_progress(cluster, run_id, 12)
+    env = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/.deepspeed_env").stdout
+    assert f"ACCELERATE_DEEPSPEED_CONFIG_FILE={RUNS}/{run_id}/ds_config.json" in env
+
+
+def files_on_every_node(cluster, run_id, path):
+    return all(cluster.exec(n, f"test -f {RUNS}/{run_id}/code/{path}", check=False).returncode == 0
+               for n in cluster.names)
+
+
+def test_run_clm_stopped_mid_run_resumes_from_its_checkpoint(data, cluster):
+    run_id = "own-clm-resume"
+    launch(cluster, run_id, *clm_args("zero2", 2000, save_steps=50))
+    try:
+        # the Trainer writes trainer_state.json last: checkpoint-50 complete on both nodes
+        wait(lambda: files_on_every_node(cluster, run_id, "out/checkpoint-50/trainer_state.json"), 900,
+             "run_clm's checkpoint-50 on every node")
+        stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        assert stop.returncode == 0 and "none left" in stop.output, stop.output[-3000:]
+        assert status(cluster, run_id)["state"] == "stopped"
+        done = max(int(x.rsplit("-", 1)[1]) for x in cluster.exec(
+            cluster.master, f"ls -d {RUNS}/{run_id}/code/out/checkpoint-*").stdout.split())
+        # resume.yml starts the same entry point from launch.json; -e gives it a nearer end
+        r = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
+                             *e(dsc_entry_args=clm_entry_args(done + 10, 50)))
+        assert r.returncode == 0, r.output[-6000:]
+        assert_finished_with_progress(cluster, run_id, done + 10)
+        log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        assert f"--resume_from_checkpoint out/checkpoint-{done}" in log
+        assert f"Continuing training from global step {done}" in log, log[-3000:]
+    finally:
+        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+
+
+def test_accelerate_script_restarted_by_max_restarts_finishes(data, cluster):
+    run_id, worker = "own-acc-restart", cluster.names[1]
+    launch(cluster, run_id, *accelerate_args("zero2", 300, checkpoint_every=40), "-e", "max_restarts=1",
+           "-e", "restart_backoff_s=2")
+    try:
+        # accelerate's save_state writes each process's random states last
+        wait(lambda: cluster.exec(cluster.master, f"test -f {RUNS}/{run_id}/code/out/step_40/random_states_0.pkl",
+                                  check=False).returncode == 0
+             and cluster.exec(worker, f"test -f {RUNS}/{run_id}/code/out/step_40/random_states_1.pkl",
+                              check=False).returncode == 0, 900, "checkpoint step_40 on both nodes")
+
+        def rank_on_worker():
+            r = cluster.exec(worker, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
+            return [p["pid"] for p in (json.loads(r.stdout) if r.returncode == 0 else [])
+                    if "entry --script deepspeed_with_config_support.py" in p["cmd"]
+                    and "deepspeed.launcher" not in p["cmd"]]
+        victim = wait(rank_on_worker, 60, "a rank on the worker")[0]
+        cluster.exec(worker, f"kill -9 {victim}")
+        st = wait(lambda: (s := status(cluster, run_id))["state"] in ("finished", "failed") and s, 900,
+                  "the restarted run to end", every=2)
+        assert st["state"] == "finished" and st["restarts"] == 1, st
+        log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        assert "[dsc_node] restart 1/1" in log and f"a rank on {worker} was killed by SIGKILL" in log
+        assert "Resumed from checkpoint: out/step_" in log, log[-3000:]
+        assert_finished_with_progress(cluster, run_id, 300)
+    finally:
+        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+
+
+SECRET_SCRIPT = """import hashlib, os, pathlib, time
+# Each rank: proves it has the secret (its hash), then lives long enough to be looked at.
+pathlib.Path(os.environ["DSC_RUN_DIR"], f"token-{os.environ['RANK']}.sha256").write_text(
+    hashlib.sha256(os.environ["HF_TOKEN"].encode()).hexdigest())
+time.sleep(float(os.environ.get("HOLD_S", "20")))
+"""
+
+
+def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
+    import hashlib
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "show_secret.py").write_text(SECRET_SCRIPT)
+    vars_file = tmp_path / "secrets.yml"  # what a user keeps in an ansible-vault file
+    vars_file.write_text(f"dsc_secrets:\n  HF_TOKEN: {SECRET}\n")
+    run_id = "own-secret"
+    launch(cluster, run_id, "-e", f"@{vars_file}", "-e", f"dsc_code_dir={code}", "-e", "dsc_entry_script=show_secret.py",
+           "-e", "dsc_ds_config_mode=none", "-v")
+    try:
+        want = hashlib.sha256(SECRET.encode()).hexdigest()
+        for rank, node in enumerate(cluster.names):
+            got = wait(lambda: cluster.exec(node, f"cat {RUNS}/{run_id}/token-{rank}.sha256", check=False).stdout.strip(),
+                       120, f"rank {rank}'s token hash on {node}")
+            assert got == want
+        for node in cluster.names:  # while the ranks live: no command line holds it
+            cmdlines = cluster.exec(node, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '", check=False).stdout
+            assert "show_secret.py" in cmdlines and SECRET not in cmdlines
+        wait(lambda: status(cluster, run_id)["state"] == "finished", 120, "the run to finish")
+        logs = tmp_path / "logs"
+        fetched = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", f"logs_dest={logs}")
+        assert fetched.returncode == 0, fetched.output[-3000:]
+        assert any(logs.rglob("launcher.log"))
+        for node in cluster.names:
+            found = cluster.exec(node, f"grep -rl {SECRET} {RUNS}/{run_id} || true").stdout.strip()
+            assert found == "", (node, found)
+            mode = cluster.exec(node, f"stat -c %a {RUNS}/.secrets/{run_id}.json").stdout.strip()
+            assert mode == "600"
+        for where in (logs, ROOT / ".cache" / "facts"):
+            hits = [str(p) for p in Path(where).rglob("*") if p.is_file() and SECRET in p.read_text(errors="replace")]
+            assert hits == [], hits
+        assert SECRET not in fetched.output
+    finally:
+        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["-e", "dsc_entry_script=../cifar/cifar10_deepspeed.py"], "dsc_entry_script is '../cifar/cifar10_deepspeed.py'"),
+    (["-e", "dsc_entry_script=missing.py"], "dsc_entry_script is 'missing.py', which is not in dsc_code_dir"),
+    (["-e", "dsc_ds_config_mode=auto"], "dsc_ds_config_mode is 'auto'"),
+    (["-e", "dsc_ds_config_mode=file", "-e", "dsc_ds_config_file=NOTJSON"], "is not JSON"),
+    (["-e", "dsc_requirements_file=", *e(dsc_requirements=["transformers==9.9.9"])],
+     "'transformers==9.9.9' is not in dsc_wheelhouse"),
+    (["-e", "dsc_data_dir=/nonexistent/dataset"], "dsc_data_dir on host"),
+])
+def test_bad_input_for_own_scripts_is_refused_before_any_node_changes(provisioned, cluster, tmp_path, extra, needle):
+    not_json = tmp_path / "ds_config.json"
+    not_json.write_text("{'zero_optimization': {'stage': 2}}")  # Python, not JSON
+    extra = [x.replace("NOTJSON", str(not_json)) for x in extra]
+    before = [cluster.exec(n, f"ls -A {RUNS}; ls -A {DATA} 2>/dev/null | wc -l", check=False).stdout for n in cluster.names]
+    r = cluster.playbook("launch.yml", "-e", "run_id=own-bad", "-e", f"dsc_code_dir={FIXTURES / 'clm'}",
+                         "-e", "dsc_entry_script=run_clm.py", *extra)
+    assert r.returncode != 0 and needle in r.output, r.output[-3000:]
+    assert "Fix:" in r.output and "nothing was changed" in r.output
+    after = [cluster.exec(n, f"ls -A {RUNS}; ls -A {DATA} 2>/dev/null | wc -l", check=False).stdout for n in cluster.names]
+    assert after == before
+
+
+def test_a_ds_config_deepspeed_rejects_is_refused_before_any_node_changes(provisioned, cluster, tmp_path):
+    bad = tmp_path / "ds_config.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2, "no_such_key": 1}}))
+    before = [cluster.exec(n, f"ls -A {RUNS}", check=False).stdout for n in cluster.names]
+    r = cluster.playbook("launch.yml", "-e", "run_id=own-bad-config", "-e", "dsc_ds_config_mode=file",
+                         "-e", f"dsc_ds_config_file={bad}")
+    assert r.returncode != 0 and "DeepSpeed rejects the run's ds_config" in r.output, r.output[-3000:]
+    assert "no_such_key" in r.output and "nothing was changed" in r.output
+    assert [cluster.exec(n, f"ls -A {RUNS}", check=False).stdout for n in cluster.names] == before
