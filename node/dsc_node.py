@@ -12,7 +12,8 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py listen | connect              # hold / reach the master port (preflight's TCP check)
     dsc_node.py write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
     dsc_node.py start RUN_DIR RUN_ID --run-root DIR --ports FIRST LAST [--replace] [--hosts H1,H2]
-                      [--max-restarts N] [--backoff S] [--resume-args JSON_LIST] -- CMD...
+                      [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
+                      [--stall-s S] [--stall-fail] -- CMD...
                                               # under a lock: refuse (or replace) an active run, take the
                                               # first free master port, detach a supervisor that runs CMD,
                                               # tears the run down everywhere when a node fails and
@@ -20,9 +21,14 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
     dsc_node.py stop RUN_ID [--grace S] [--run-dir DIR]
                                               # mark the run stopped, TERM, then KILL after S seconds
-    dsc_node.py status RUN_DIR RUN_ID         # state, ranks alive, last metrics, first error
+    dsc_node.py status RUN_DIR RUN_ID [--hosts H1,H2]
+                                              # state, ranks alive, last metrics, first error
+                                              # (with --hosts: every node's state, via pdsh)
     dsc_node.py write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
     dsc_node.py files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
+    dsc_node.py log RUN_DIR RUN_ID [--lines N] [--hosts H1,H2]
+                                              # the log's last N lines per node, its raw tail, the state
+    dsc_node.py history RUN_DIR               # every logged step (metrics or progress), for plots
     dsc_node.py runs RUN_ROOT                 # every run, newest first, with its state (runs.yml)
     dsc_node.py free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.py active RUN_ROOT               # the run whose supervisor is alive, if any
@@ -77,6 +83,7 @@ class RunDir:
     CODE = "code"
     CHECKPOINTS = "checkpoints"   # train.run's; left out of logs.yml's copies with the code
     ATTEMPT = "attempt.json"      # the current attempt and where its output starts in the log
+    STALLED = "stalled.json"      # no step for the stall time (removed when steps come again)
     LOCK = ".launch.lock"         # in the run root: one launch at a time
 
     def __init__(self, path):
@@ -538,7 +545,7 @@ def connect(a):
 # connection was lost, e.g. the node died).
 RANK_EXIT = re.compile(r"^(\S+): .*exits with return code = (-?\d+)")
 SSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
-CAUSE_ORDER = {"signal": 0, "lost": 1, "exit": 2}
+CAUSE_ORDER = {"signal": 0, "lost": 1, "exit": 2, "stall": 3}
 ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code = [1-9]|"
                         r"was not reachable|Address already in use)")
 
@@ -692,7 +699,7 @@ def status(run_dir, run_id):
     # A worker has no launcher of its own (pdsh starts its ranks): its ranks say it runs, and
     # the supervisor writes the exit code into every node's run directory when the run ends.
     if launcher or (ranks and code is None):
-        state = "running"
+        state = "stalled" if launcher and (run / RunDir.STALLED).exists() else "running"
     elif code == "0":
         state = "finished"
     elif (run / RunDir.STOPPED).exists():
@@ -735,6 +742,47 @@ def last_line(path):
         return json.loads(lines[-1]) if lines else None
     except (OSError, ValueError):
         return None
+
+
+def log_tail(run_dir, run_id, lines=20, hosts=()):
+    """The end of the run's launcher log (every node's output comes through pdsh, each line
+    prefixed by its node's name): the last `lines` lines of each node ("launcher" for the
+    launcher's own), and the raw tail with the byte offset it starts at, from which follow
+    streams; with the run's state."""
+    log = RunDir(run_dir) / RunDir.LOG
+    try:
+        size = log.stat().st_size
+    except OSError:
+        size = 0
+    start = max(0, size - max(65536, lines * 400 * max(1, len(hosts))))
+    data = b""
+    if size:
+        with open(log, "rb") as f:
+            f.seek(start)
+            data = f.read(size - start)
+    cut = data.find(b"\n") + 1 if start else 0  # from the first whole line
+    data, start = data[cut:], start + cut
+    end = data.rfind(b"\n") + 1  # up to the last whole line
+    text = data[:end].decode(errors="replace")
+    nodes = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(": ")
+        node = name if name in hosts and rest else "launcher"
+        nodes.setdefault(node, []).append(rest if node != "launcher" else line)
+    return {"run_id": run_id, "state": status(run_dir, run_id)["state"], "offset": start,
+            "text": text, "nodes": {k: v[-lines:] for k, v in nodes.items()} if lines else {}}
+
+
+def history(run_dir):
+    """Every logged step of the run (train.run's metrics.jsonl, else the entry shim's
+    progress.jsonl): what plots draw."""
+    run = RunDir(run_dir)
+    for name in (RunDir.METRICS, RunDir.PROGRESS):
+        try:
+            return [json.loads(x) for x in (run / name).read_text().splitlines() if x.strip()]
+        except (OSError, ValueError):
+            continue
+    return []
 
 
 def runs_table(run_root):
@@ -780,6 +828,8 @@ def describe(cause):
     if cause["kind"] == "signal":
         name = signal.Signals(-cause["code"]).name if -cause["code"] in signal.Signals._value2member_map_ else cause["code"]
         return f"a rank on {cause['node']} was killed by {name}"
+    if cause["kind"] == "stall":
+        return f"the run stalled: no step for {cause['limit_s']:.0f} s after step {cause['step']}"
     if cause["kind"] == "lost":
         return f"the connection to {cause['node']} was lost (node down or sshd gone)"
     return f"ranks on {cause['node']} exited with code {cause['code']}"
@@ -800,11 +850,53 @@ def teardown(run_id, hosts, run_dir=None):
     return stop(run_id, 5.0, run_dir)
 
 
-def watch(child, run, run_id, hosts, pos, grace=3.0):
+class Stall:
+    """A run whose ranks are alive but complete no step: a collective that never returns (a
+    peer stopped, an NCCL hang) looks exactly like that. The steps are global rank 0's
+    (train.run's metrics.jsonl, any script's progress.jsonl, both on the master); before the
+    first one nothing is judged (start-up, op builds). Stalled after `timeout_s` without a new
+    step; 0 means 10x the median step time, at least `min_s`."""
+
+    def __init__(self, run, timeout_s=0.0, min_s=300.0):
+        self.run, self.timeout_s, self.min_s = run, float(timeout_s), float(min_s)
+        self.step, self.since, self.per_step = None, time.time(), []
+        (run / RunDir.STALLED).unlink(missing_ok=True)
+
+    def limit(self):
+        if self.timeout_s > 0:
+            return self.timeout_s
+        times = sorted(self.per_step)
+        return max(self.min_s, 10 * times[len(times) // 2]) if times else self.min_s
+
+    def check(self, now):
+        """None while steps come; else the stall record, written to stalled.json."""
+        last = last_line(self.run / RunDir.METRICS) or last_line(self.run / RunDir.PROGRESS) or {}
+        step = last.get("step")
+        if step is not None and step != self.step:
+            if self.step is not None and step > self.step:
+                self.per_step.append((now - self.since) / (step - self.step))
+            self.step, self.since = step, now
+            (self.run / RunDir.STALLED).unlink(missing_ok=True)
+            return None
+        if self.step is None or now - self.since < self.limit():
+            return None
+        record = {"step": self.step, "since": round(self.since, 3), "limit_s": round(self.limit(), 1)}
+        if not (self.run / RunDir.STALLED).exists():
+            write_atomic(self.run / RunDir.STALLED, json.dumps(record) + "\n")
+            print(f"[dsc_node] stalled: no step for {record['limit_s']:.0f} s after step {self.step}",
+                  flush=True)
+        return record
+
+
+def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None):
     """Wait for the launcher; when a node fails and the run has not ended grace seconds later
-    (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere."""
+    (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere. A
+    stall (`stall`: {timeout_s, fail}) is marked in the run directory, and with fail it ends the
+    attempt as a failure (teardown, then a restart when max_restarts allows)."""
     log = run / RunDir.LOG
     events, deadline, torn = [], None, None
+    stall = stall or {}
+    stalls, checked = Stall(run, stall.get("timeout_s", 0), stall.get("min_s", 300)), 0.0
     while True:
         code = child.poll()
         with open(log, errors="replace") as f:
@@ -819,6 +911,14 @@ def watch(child, run, run_id, hosts, pos, grace=3.0):
                 events.append(ev)
         if code is not None:
             break
+        if time.time() - checked >= 2:
+            checked = time.time()
+            stalled = stalls.check(checked)
+            if stalled and stall.get("fail") and deadline is None:
+                events.append({"node": hosts[0] if hosts else socket.gethostname(), "kind": "stall",
+                               "code": -1, "time": time.time(), "step": stalled["step"],
+                               "limit_s": stalled["limit_s"], "line": ""})
+                deadline = time.time()
         if events and deadline is None:
             deadline = time.time() + grace
         if deadline and torn is None and time.time() >= deadline:
@@ -870,7 +970,7 @@ def write_run(run_dir, spec, resume=False):
 
 
 def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_restarts=0,
-          backoff=10.0, resume_args=("--resume",)):
+          backoff=10.0, resume_args=("--resume",), stall=None):
     """Under the run root's lock: refuse (or replace) an active run, take the first free master
     port, then double-fork a supervisor into a new session so that it outlives the Ansible
     connection; its pid is the run's launcher.pid until the run ends, restarts included."""
@@ -907,7 +1007,7 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     os.setsid()
     if os.fork():
         os._exit(0)
-    supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args)
+    supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall)
 
 
 LATEST = re.compile(r"^\{latest:(.+)\}$")
@@ -944,7 +1044,7 @@ def resolve_latest(argv, cwd="."):
     return out
 
 
-def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=()):
+def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None):
     log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -962,7 +1062,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=()):
         write_atomic(run / RunDir.ATTEMPT, json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
         child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
         (run / RunDir.CHILD).write_text(str(child.pid))
-        code, cause, torn = watch(child, run, run_id, list(hosts), offset)
+        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall)
         if cause:
             write_atomic(run / RunDir.FAILURE, json.dumps(dict(
                 cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
@@ -986,6 +1086,26 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=()):
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)
     os._exit(0)
+
+
+def node_states(run_dir, run_id, hosts, own_state):
+    """{node: its state of the run} for follow's line: this node's own, the others' through pdsh
+    (the same way the launcher reaches them); a node that does not answer is "unreachable"."""
+    states = {hosts[0]: own_state} if hosts else {}
+    others = list(hosts)[1:]
+    if not others:
+        return states
+    r = subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "20", "-w", ",".join(others),
+                        os.path.abspath(__file__), "status", str(run_dir), run_id],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
+    for line in r.stdout.splitlines():
+        name, _, text = line.partition(": ")
+        try:
+            states[name] = json.loads(text)["state"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return {h: states.get(h, "unreachable") for h in hosts}
 
 
 def on_others(hosts, *args):
@@ -1047,15 +1167,16 @@ def command(argv):
         return 0 if result["ok"] else 4
     elif cmd == "start":
         sep = args.index("--")
-        pos, opts = options(args[:sep], flags=("--replace",),
+        pos, opts = options(args[:sep], flags=("--replace", "--stall-fail"),
                             valued=("--run-root", "--hosts", "--max-restarts", "--backoff",
-                                    "--resume-args"))
+                                    "--resume-args", "--stall-s"))
         return start(pos[0], pos[1], args[sep + 1:], opts["--run-root"], opts["--ports"],
                      replace="--replace" in opts,
                      hosts=[h for h in opts.get("--hosts", "").split(",") if h],
                      max_restarts=int(opts.get("--max-restarts", 0)),
                      backoff=float(opts.get("--backoff", 10)),
-                     resume_args=json.loads(opts.get("--resume-args", '["--resume"]')))
+                     resume_args=json.loads(opts.get("--resume-args", '["--resume"]')),
+                     stall={"timeout_s": float(opts.get("--stall-s", 0)), "fail": "--stall-fail" in opts})
     elif cmd == "procs":
         print(json.dumps(procs(args[0])))
     elif cmd == "stop":
@@ -1063,6 +1184,12 @@ def command(argv):
         print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"))))
     elif cmd == "runs":
         print(json.dumps(runs_table(args[0])))
+    elif cmd == "log":
+        pos, opts = options(args, valued=("--lines", "--hosts"))
+        print(json.dumps(log_tail(pos[0], pos[1], int(opts.get("--lines", 20)),
+                                  [h for h in opts.get("--hosts", "").split(",") if h])))
+    elif cmd == "history":
+        print(json.dumps(history(args[0])))
     elif cmd == "files":
         print(json.dumps(run_files(args[0])))
     elif cmd == "write-secrets":
@@ -1073,7 +1200,11 @@ def command(argv):
         if os.path.isdir(args[0]):
             write_atomic(RunDir(args[0]) / RunDir.EXIT, f"{int(args[1])}\n")
     elif cmd == "status":
-        print(json.dumps(status(args[0], args[1])))
+        pos, opts = options(args, valued=("--hosts",))
+        st = status(pos[0], pos[1])
+        if opts.get("--hosts"):
+            st["nodes"] = node_states(pos[0], pos[1], opts["--hosts"].split(","), st["state"])
+        print(json.dumps(st))
     elif cmd == "free-port":
         port = free_port(int(args[0]), int(args[1]))
         if port is None:

@@ -1,8 +1,9 @@
 """stdout callback `dsc_progress`: Ansible's default output, except that while a run is followed
-(`-e follow=true`) each poll prints one progress line instead of "FAILED - RETRYING ...".
+(`-e follow=true`) each poll prints one progress line instead of "FAILED - RETRYING ...", and
+while its log is followed (logs.yml -e follow=true) each poll prints the log's new lines.
 
-The node helper's status JSON is recognised by its keys; anything else is printed as the default
-callback prints it. ansible.cfg selects it (stdout_callback = dsc_progress).
+The node helper's status and log JSON are recognised by their keys; anything else is printed as
+the default callback prints it. ansible.cfg selects it (stdout_callback = dsc_progress).
 """
 from __future__ import annotations
 
@@ -55,9 +56,25 @@ def progress_line(stdout, now=None):
         if step and total and step < total:
             parts.append(f"ETA {_duration(elapsed / step * (total - step))}")
     parts.append(f"ranks alive {st.get('ranks_alive', 0)}")
+    if st.get("nodes"):
+        parts.append("nodes " + " ".join(f"{n}:{v}" for n, v in st["nodes"].items()))
     if st.get("restarts"):
         parts.append(f"restarts {st['restarts']}")
     return ", ".join(parts)
+
+
+def new_log_lines(stdout, printed):
+    """(lines of the helper's log tail past byte offset `printed`, the new offset), or None when
+    stdout is not a log tail. The first poll shows the tail it was given."""
+    try:
+        tail = json.loads(stdout or "")
+    except ValueError:
+        return None
+    if not isinstance(tail, dict) or not {"run_id", "offset", "text"} <= set(tail):
+        return None
+    data = tail["text"].encode()
+    skip = max(0, (printed or 0) - tail["offset"]) if printed is not None else 0
+    return data[skip:].decode(errors="replace").splitlines(), tail["offset"] + len(data)
 
 
 class CallbackModule(DefaultCallback):
@@ -65,9 +82,29 @@ class CallbackModule(DefaultCallback):
     CALLBACK_TYPE = "stdout"
     CALLBACK_NAME = "dsc_progress"
 
+    def __init__(self):
+        super().__init__()
+        self._log_printed = {}  # (host, run id) -> byte offset of the log printed so far
+
+    def _stream_log(self, result):
+        key = result.host.get_name()
+        got = new_log_lines(result.result.get("stdout"), self._log_printed.get(key))
+        if got is None:
+            return False
+        lines, self._log_printed[key] = got
+        for line in lines:
+            self._display.display(line)
+        return True
+
     def v2_runner_retry(self, result):
+        if self._stream_log(result):
+            return
         line = progress_line(result.result.get("stdout"))
         if line is None:
             super().v2_runner_retry(result)
         else:
             self._display.display(line)
+
+    def v2_runner_on_ok(self, result):
+        self._stream_log(result)  # the last poll's new lines, then the usual "ok"
+        super().v2_runner_on_ok(result)

@@ -67,11 +67,21 @@ def runs_table(rows):
     return lines
 
 
+def log_sections(nodes):
+    """logs.yml's lines: each node's last lines under a heading (the node helper's `log`)."""
+    out = []
+    for node, lines in (nodes or {}).items():
+        out.append(f"== {node} (last {len(lines)} lines)")
+        out.extend(lines)
+    return out
+
+
 class FilterModule:
     def filters(self):
         return {
             "dsc_report_row": report_row,
             "dsc_version_diff": version_diff,
             "dsc_status_row": status_row,
+            "dsc_log_sections": log_sections,
             "dsc_runs_table": runs_table,
         }

@@ -68,7 +68,8 @@ RUN_OPTIONS = (
     "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
     "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_resume_args",
-    "dsc_launcher_args",
+    "dsc_launcher_args", "dsc_stall_timeout_s", "dsc_stall_fail", "plot_runs",
+    "dsc_tensorboard",
 )
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
@@ -891,7 +892,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
                      f"templates/ds_config/{preset}.json).")
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
-    for var in ("max_restarts", "restart_backoff_s"):
+    for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not _is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
     entry = _entry(opt, paths, problems)
@@ -929,6 +930,13 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if config is not None and not any(k in config for k in MONITORS):
         # DeepSpeed's own monitor (lr, samples) beside the entry shim's progress.jsonl.
         config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/monitor/", "job_name": "ds"}
+    if as_bool(opt["dsc_tensorboard"]):
+        if config is None:
+            problems.add("dsc_tensorboard is true but dsc_ds_config_mode is 'none'. Fix: enable "
+                         "DeepSpeed's tensorboard section in the config your script passes, or "
+                         "use a mode the toolkit writes the config for.")
+        else:  # event files land in the run directory; logs.yml fetches them
+            config["tensorboard"] = {"enabled": True, "output_path": f"{run_dir}/tensorboard/", "job_name": "ds"}
     if config is not None and "use_node_local_storage" not in config.get("checkpoint", {}):
         # Run directories are per node: each node's local rank 0 saves the shared checkpoint
         # state (a shared filesystem sets it false in its own config).
@@ -948,6 +956,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "follow": as_bool(opt["follow"]), "preflight": as_bool(opt["preflight"]),
         "max_restarts": int(opt["max_restarts"]),
         "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
+        "stall_timeout_s": int(opt["dsc_stall_timeout_s"]), "stall_fail": as_bool(opt["dsc_stall_fail"]),
         "ds_config": config, "config_mode": mode, "resume_args": entry["resume_args"],
         "ds_config_file": str(opt["dsc_ds_config_file"] or ""),
         "code_dir": entry["code_dir"], "code_shared": entry["shared"],
@@ -977,6 +986,19 @@ def run_reference(run_id, runs, run_root):
         chosen = [r for r in runs if r.get("active")] or runs
         run_id = chosen[0]["id"] if chosen else ""
     return (run_id or None), (f"{run_root}/{run_id}" if run_id else None), None
+
+
+def _plot_runs(given, plan, problems):
+    """The runs plot.yml draws: those given (each a run on the master), else the run."""
+    if not isinstance(given, list):
+        problems.add(f"plot_runs is {given!r}. Fix: a list of run ids, e.g. [\"zero2-a\", \"zero3-b\"].")
+        return []
+    known = [r["id"] for r in plan["runs"]]
+    for run_id in map(str, given):
+        if run_id not in known:
+            problems.add(f"plot_runs: no run {run_id!r} under {plan['run_root']} on {plan['master']}. "
+                         f"Fix: one of {', '.join(known[:8]) or 'none there yet'} (runs.yml lists them).")
+    return [str(r) for r in given] or ([plan["run_id"]] if plan["run_id"] else [])
 
 
 def code_archive(code_dir, limit=64 * 2**20):
@@ -1112,6 +1134,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
             str(options.get("run_id") or ""), plan["runs"], plan["run_root"])
         if problem:
             problems.add(problem)
+        plan["plot_runs"] = _plot_runs(options.get("plot_runs") or [], plan, problems)
     if problems.messages:
         return None, problems.messages
     return plan, []

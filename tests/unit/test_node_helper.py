@@ -347,3 +347,27 @@ def test_latest_checkpoint_placeholder_takes_the_highest_step_or_drops_the_optio
     (tmp_path / "out" / "checkpoint-100x").rmdir()
     assert dsc_node.resolve_latest(argv, tmp_path)[-2:] == ["--resume_from_checkpoint", "out/checkpoint-40"]
     assert dsc_node.resolve_latest(argv, tmp_path / "nothing") == ["deepspeed", "run.py"]
+
+
+def test_a_run_without_a_new_step_for_the_limit_is_stalled_until_the_next_step(tmp_path):
+    run = dsc_node.RunDir(tmp_path)
+    progress = tmp_path / "progress.jsonl"
+
+    def step(n):
+        with progress.open("a") as f:
+            f.write(json.dumps({"step": n, "loss": 1.0}) + "\n")
+    watch = dsc_node.Stall(run, timeout_s=0, min_s=5)
+    assert watch.check(100.0) is None  # no step yet (start-up, op builds): nothing judged
+    step(1)
+    assert watch.check(101.0) is None
+    step(3)
+    assert watch.check(103.0) is None and watch.limit() == 10  # 10 x the median 1 s/step, over min_s
+    assert watch.check(112.0) is None
+    stalled = watch.check(113.5)
+    assert stalled == {"step": 3, "since": 103.0, "limit_s": 10.0}
+    assert json.loads((tmp_path / "stalled.json").read_text())["step"] == 3
+    step(4)
+    assert watch.check(114.0) is None and not (tmp_path / "stalled.json").exists()
+    assert dsc_node.Stall(run, timeout_s=30).limit() == 30
+    assert dsc_node.describe({"kind": "stall", "limit_s": 10.0, "step": 3}) == \
+        "the run stalled: no step for 10 s after step 3"

@@ -600,3 +600,23 @@ def test_latest_checkpoint_placeholder_only_in_resume_args():
     assert any("dsc_entry_args holds '{latest:out/checkpoint-*}'" in e for e in errors), errors
     p, errors = plan(options={"dsc_resume_args": ["{latest:$(id)}"]}, full_run=True)
     assert any("dsc_resume_args holds '{latest:$(id)}'" in e for e in errors), errors
+
+
+def test_tensorboard_is_one_setting_and_needs_a_config_the_toolkit_writes():
+    p, errors = plan(options={"dsc_tensorboard": True}, full_run=True)
+    assert errors == []
+    cfg = json.loads(p["run"]["files"]["ds_config.json"])
+    assert cfg["tensorboard"] == {"enabled": True, "job_name": "ds", "output_path": f"{p['run']['dir']}/tensorboard/"}
+    assert cfg["csv_monitor"]["enabled"]  # DeepSpeed's csv monitor beside it (status reads neither)
+    p, errors = plan(options={"dsc_tensorboard": True, "dsc_ds_config_mode": "none"}, full_run=True)
+    assert any("dsc_tensorboard is true but dsc_ds_config_mode is 'none'" in e for e in errors), errors
+
+
+def test_plot_runs_must_be_runs_on_the_master():
+    runs = [{"id": "zero2-a", "mtime": 2, "started": True, "active": False},
+            {"id": "zero3-b", "mtime": 1, "started": True, "active": False}]
+    p, errors = plan(options={"plot_runs": ["zero2-a", "zero3-b"]}, runs=runs)
+    assert errors == [] and p["plot_runs"] == ["zero2-a", "zero3-b"]
+    assert plan(runs=runs)[0]["plot_runs"] == ["zero2-a"]  # the newest, as status.yml picks
+    p, errors = plan(options={"plot_runs": ["../x"]}, runs=runs)
+    assert any("plot_runs: no run '../x'" in e and "zero2-a" in e for e in errors), errors

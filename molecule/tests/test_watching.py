@@ -1,0 +1,139 @@
+"""Watching runs on the container cluster: the follow line with every node's state and a picture
+at the end, logs.yml's lines and streamed log, DeepSpeed's monitor and TensorBoard files fetched,
+plot.yml over several runs, and a run stalled by a stopped rank: marked, then (when asked)
+torn down and restarted to completion."""
+import json
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = "/opt/dscluster/runs"
+TINY = {"vocab_size": 512, "seq_len": 64}
+PLOTS = ROOT / "runs" / "testcluster" / "plots"
+
+
+def e(**values):
+    return ["-e", json.dumps(values)]
+
+
+def launch(cluster, run_id, *extra):
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {RUNS}/{run_id}", check=False)
+    r = cluster.playbook("launch.yml", "-e", f"run_id={run_id}", *extra)
+    assert r.returncode == 0, r.output[-5000:]
+    return r
+
+
+def status(cluster, run_id):
+    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}",
+                                   user="dstrain").stdout)
+
+
+def wait(cond, timeout, what, every=1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def rank_pid(cluster, node, run_id):
+    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
+    pids = [p["pid"] for p in (json.loads(r.stdout) if r.returncode == 0 else [])
+            if "entry --module train.run" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
+    return pids[0] if pids else None
+
+
+def is_png(path, min_bytes=20000):
+    data = Path(path).read_bytes()
+    return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= min_bytes
+
+
+def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, cluster):
+    run_id = "w-follow"
+    (PLOTS / f"{run_id}.png").unlink(missing_ok=True)
+    r = launch(cluster, run_id, "-e", "follow=true", "-e", "dsc_tensorboard=true",
+               *e(dsc_train_config=dict(TINY, steps=300, log_every=5, save_every=1000)))
+    lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
+    assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
+    assert all(f"nodes {cluster.names[0]}:running {cluster.names[1]}:running" in x for x in lines), lines
+    assert f"Plot: {PLOTS}/{run_id}.png" in r.output and is_png(PLOTS / f"{run_id}.png")
+
+
+def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_lines(provisioned, cluster, tmp_path):
+    run_id = "w-follow"  # the run above (TensorBoard on)
+    r = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", f"logs_dest={tmp_path}", "-e", "lines=5")
+    assert r.returncode == 0, r.output[-3000:]
+    master = tmp_path / run_id / cluster.names[0]
+    assert (master / "launcher.log").stat().st_size > 0 and (master / "metrics.jsonl").exists()
+    assert (master / "monitor" / "ds" / "Train_Samples_lr.csv").read_text().startswith("step,lr")
+    assert list((master / "tensorboard" / "ds").glob("events.out.tfevents.*")), list(master.rglob("*"))
+    for node in cluster.names:
+        assert f"== {node} (last 5 lines)" in r.output, r.output[-3000:]
+
+
+def test_logs_follow_streams_the_log_until_the_run_ends(provisioned, cluster):
+    run_id = "w-stream"
+    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=600, log_every=50, save_every=1000)))
+    r = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "lines=3",
+                         "-e", "logs_dest=/tmp/dsc-w-stream")
+    assert r.returncode == 0, r.output[-3000:]
+    assert status(cluster, run_id)["state"] == "finished"
+    streamed = [x for x in r.output.splitlines() if x.startswith(f"{cluster.names[0]}: ") and "step " in x]
+    assert len(streamed) >= 2, r.output[-3000:]
+    assert "Process" in r.output and "exits successfully" in r.output  # the log's end came through
+    assert "RETRYING" not in r.output
+
+
+def test_plot_draws_several_runs_in_one_picture(provisioned, cluster):
+    r = cluster.playbook("plot.yml", *e(plot_runs=["w-follow", "w-stream"]))
+    assert r.returncode == 0, r.output[-3000:]
+    assert is_png(PLOTS / "w-follow+w-stream.png")
+    bad = cluster.playbook("plot.yml", *e(plot_runs=["w-nope"]))
+    assert bad.returncode != 0 and "plot_runs: no run 'w-nope'" in bad.output
+
+
+def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provisioned, cluster):
+    run_id, worker = "w-stall-mark", cluster.names[1]
+    launch(cluster, run_id, "-e", "dsc_stall_timeout_s=15",
+           *e(dsc_train_config=dict(TINY, steps=100000, log_every=10, save_every=100000)))
+    try:
+        wait(lambda: (status(cluster, run_id).get("last") or {}).get("step"), 300, "the first steps")
+        victim = wait(lambda: rank_pid(cluster, worker, run_id), 30, "a rank on the worker")
+        cluster.exec(worker, f"kill -STOP {victim}")
+        stopped_at = time.time()
+        st = wait(lambda: (s := status(cluster, run_id))["state"] == "stalled" and s, 60, "the stall mark")
+        assert time.time() - stopped_at < 15 + 20  # the set time, plus the polls
+        shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
+        assert f"run {run_id}: stalled" in shown.output
+        cluster.exec(worker, f"kill -CONT {victim}")
+        wait(lambda: status(cluster, run_id)["state"] == "running", 60, "steps again")
+    finally:
+        cluster.exec(worker, "pkill -CONT -f 'entry --module train.run' || true", check=False)
+        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+
+
+def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provisioned, cluster):
+    run_id, worker = "w-stall-fail", cluster.names[1]
+    launch(cluster, run_id, "-e", "dsc_stall_timeout_s=15", "-e", "dsc_stall_fail=true",
+           "-e", "max_restarts=1", "-e", "restart_backoff_s=2",
+           *e(dsc_train_config=dict(TINY, steps=2000, log_every=10, save_every=200)))
+    try:
+        wait(lambda: cluster.exec(worker, f"test -f {RUNS}/{run_id}/checkpoints/step200/COMPLETE",
+                                  check=False).returncode == 0, 300, "checkpoint step200 on the worker")
+        victim = wait(lambda: rank_pid(cluster, worker, run_id), 30, "a rank on the worker")
+        cluster.exec(worker, f"kill -STOP {victim}")
+        st = wait(lambda: (s := status(cluster, run_id))["state"] in ("finished", "failed") and s, 600,
+                  "the restarted run to end", every=2)
+        assert st["state"] == "finished" and st["restarts"] == 1, st
+        restarts = [json.loads(x) for x in
+                    cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/restarts.log").stdout.splitlines()]
+        assert "the run stalled: no step for 15 s after step" in restarts[0]["cause"], restarts
+        log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        assert "[dsc_node] stalled: no step for 15 s" in log and "resume: loaded" in log
+        assert st["last"]["step"] == 2000
+    finally:
+        cluster.exec(worker, "pkill -CONT -f 'entry --module train.run' || true", check=False)
+        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
