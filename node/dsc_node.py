@@ -125,9 +125,8 @@ class EngineWatch:
       node) DeepSpeed has each node's local rank 0 save the shared state, but writes the
       `latest` tag on global rank 0 only, so load_checkpoint(tag=None) - HF's Trainer and
       accelerate resume that way - fails on every other node. Their local rank 0 writes it too.
-    Installed as an import hook: the engine class is patched when the script imports DeepSpeed,
-    whoever imports it (the script, HF's Trainer, accelerate)."""
-    MODULE = "deepspeed.runtime.engine"
+    Applied when deepspeed.runtime.engine is imported (AfterImport), whoever imports it (the
+    script, HF's Trainer, accelerate)."""
 
     def __init__(self, path, every=2.0):
         self.path, self.every = Path(path), every
@@ -136,19 +135,8 @@ class EngineWatch:
         self.time, self.samples = time.time(), 0
         self.engine = None
 
-    def find_spec(self, name, path=None, target=None):
-        if name != self.MODULE:
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-        spec = importlib.util.find_spec(name)
-        exec_module = spec.loader.exec_module
-
-        def patched(module):
-            exec_module(module)
-            self.patch(module.DeepSpeedEngine)
-        spec.loader.exec_module = patched
-        return spec
+    def __call__(self, module):
+        self.patch(module.DeepSpeedEngine)
 
     def patch(self, engine_class):
         backward, step, save, hook = (engine_class.backward, engine_class.step,
@@ -198,6 +186,49 @@ class EngineWatch:
         self.time, self.samples = now, samples
 
 
+class AfterImport:
+    """A meta path finder that calls fn(module) right after a module's first import, whoever
+    imports it: {module name: fn}."""
+
+    def __init__(self, patches):
+        self.patches = dict(patches)
+
+    def find_spec(self, name, path=None, target=None):
+        fn = self.patches.pop(name, None)
+        if fn is None:
+            return None
+        import importlib.util
+        spec = importlib.util.find_spec(name)  # the other finders' (this one no longer has it)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            fn(module)
+        spec.loader.exec_module = patched
+        return spec
+
+
+def accelerate_on_cpu(module):
+    """accelerate (1.15) chooses a process-group backend for GPU-like devices only: under
+    DeepSpeed's launcher on CPU nodes (DS_ACCELERATOR=cpu, gloo) it gets none and counts one
+    process while DeepSpeed has the whole world, so HF's "auto" batch and every gather are wrong
+    ("invalid output tensor list ... expected length 2, got 1"). It gets accelerate's own CPU
+    path (multi-CPU over gloo) instead; on GPU nodes nothing changes."""
+    state = module.PartialState
+    prepare = state._prepare_backend
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, kind = prepare(self, cpu, sagemaker_dp, backend)
+        if chosen is None and kind in (None, module.DistributedType.NO) and not cpu \
+                and os.environ.get("DS_ACCELERATOR") == "cpu" \
+                and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", module.DistributedType.MULTI_CPU
+        return chosen, kind
+    state._prepare_backend = prepare_backend
+
+
 def entry(args, local_rank=()):
     """A rank: the run's secrets into this process's environment (they never pass a command
     line), the progress hook, then the user's script or module run here as `python FILE` or
@@ -214,8 +245,10 @@ def entry(args, local_rank=()):
         except (OSError, ValueError) as e:
             raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
                              f"be read: {e}. Fix: launch the run again (launch.yml writes them).")
+    patches = {"accelerate.state": accelerate_on_cpu}
     if run_dir:
-        sys.meta_path.insert(0, EngineWatch(RunDir(run_dir) / RunDir.PROGRESS))
+        patches["deepspeed.runtime.engine"] = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS)
+    sys.meta_path.insert(0, AfterImport(patches))
     import runpy
     sys.argv = [target] + list(local_rank) + rest
     if kind == "--module":

@@ -371,3 +371,24 @@ def test_a_run_without_a_new_step_for_the_limit_is_stalled_until_the_next_step(t
     assert dsc_node.Stall(run, timeout_s=30).limit() == 30
     assert dsc_node.describe({"kind": "stall", "limit_s": 10.0, "step": 3}) == \
         "the run stalled: no step for 10 s after step 3"
+
+
+def test_after_import_patches_a_module_once_on_its_first_import(tmp_path):
+    (tmp_path / "pkg_after").mkdir()
+    (tmp_path / "pkg_after" / "__init__.py").write_text("")
+    (tmp_path / "pkg_after" / "engine.py").write_text("class Engine:\n    def step(self):\n        return 'original'\n")
+    seen = []
+
+    def patch(module):
+        seen.append(module.__name__)
+        module.Engine.step = lambda self: "patched"
+    finder = dsc_node.AfterImport({"pkg_after.engine": patch})
+    sys.path.insert(0, str(tmp_path))
+    sys.meta_path.insert(0, finder)
+    try:
+        from pkg_after.engine import Engine  # noqa: PLC0415 - the import is what is tested
+        import pkg_after.engine  # noqa: F401 - a second import: no second patch
+        assert Engine().step() == "patched" and seen == ["pkg_after.engine"]
+    finally:
+        sys.meta_path.remove(finder)
+        sys.path.remove(str(tmp_path))
