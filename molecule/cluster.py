@@ -209,6 +209,12 @@ class Cluster:
             assert r.returncode == 0, f"{node}: {cmd}: {r.stdout}{r.stderr}"
         return r
 
+    def copy_to(self, node, src, dest):
+        """A file from here into a node's container (test setup, not how the toolkit reaches nodes)."""
+        subprocess.run(["podman", "cp", str(src), f"{PREFIX}{node}:{dest}"], check=True, capture_output=True,
+                       env=dict(os.environ, CONTAINERS_CONF=os.environ["CONTAINERS_CONF"]))
+        self.exec(node, f"chmod 0644 {dest}")
+
     def host(self, node):
         import testinfra
         return testinfra.get_host(f"ansible://{node}?ansible_inventory={self.inventory}")

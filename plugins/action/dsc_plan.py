@@ -58,7 +58,8 @@ class ActionModule(ActionBase):
         inventory, probes, unreachable = {}, {}, []
         for name in names:
             hv = hostvars[name]
-            wanted = dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + ("ansible_host", "ansible_port")
+            wanted = (dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + dsc_plan.SECRET_SETTINGS
+                      + ("ansible_host", "ansible_port"))
             inventory[name] = {var: plain(hv[var]) for var in wanted if var in hv}
             probe = hv.get(probe_var) or {}
             if probe.get("unreachable") or probe.get("failed") or "stdout" not in probe:
