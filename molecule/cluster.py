@@ -26,6 +26,9 @@ IMAGE = os.environ.get("DSC_IMAGE", "localhost/dscluster-node:bookworm")
 NETWORK = "dsc-test"
 SUBNET = "10.89.77.0/24"
 PREFIX = "dsc-"
+# Where provision.yml installs the node helper, and the default run root.
+HELPER = "/usr/local/lib/dscluster/dsc_node.py"
+RUNS = "/opt/dscluster/runs"
 OUTSIDER = PREFIX + "outsider"
 NONDEFAULT_SSH_PORT = 2222
 # torch's and DeepSpeed's pinned versions (requirements/pins.env), as the nodes should have them.
@@ -215,9 +218,35 @@ class Cluster:
                        env=dict(os.environ, CONTAINERS_CONF=os.environ["CONTAINERS_CONF"]))
         self.exec(node, f"chmod 0644 {dest}")
 
+    def procs(self, node, run_id):
+        """The run's processes on a node, as the node helper (run as the training user) sees them;
+        None when the lookup itself fails."""
+        r = self.exec(node, f"{HELPER} procs {run_id}", user="dstrain", check=False)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def rank_pids(self, node, run_id, program="--module train.run"):
+        """The pids of a run's ranks on a node: `dsc_node.py entry <program>`, not the launcher."""
+        return [p["pid"] for p in self.procs(node, run_id) or []
+                if f"entry {program}" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
+
+    def run_status(self, run_id, root=RUNS):
+        """The master's status of a run (the node helper's JSON)."""
+        return json.loads(self.exec(self.master, f"{HELPER} status {root}/{run_id} {run_id}", user="dstrain").stdout)
+
     def host(self, node):
         import testinfra
         return testinfra.get_host(f"ansible://{node}?ansible_inventory={self.inventory}")
+
+
+def wait(cond, timeout, what, every=1.0):
+    """cond()'s first truthy value, polled every `every` s, or an AssertionError naming `what`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def main(argv=None):

@@ -6,6 +6,7 @@ import subprocess
 import time
 
 import cluster as testcluster
+from cluster import wait
 
 RUNS = "/opt/dscluster/runs"
 TINY = {"vocab_size": 512, "seq_len": 64}
@@ -25,14 +26,6 @@ def launch(cluster, run_id, steps, save_every, *extra, preset="zero2", follow=Fa
     return r
 
 
-def wait(cond, timeout, what, every=0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def complete_steps(cluster, node, run_id):
@@ -46,27 +39,18 @@ def wait_checkpoint(cluster, run_id, step, timeout=300):
          f"checkpoint step{step} of {run_id} on every node", every=1)
 
 
-def procs(cluster, node, run_id):
-    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
 
 
-def rank_pids(cluster, node, run_id):
-    return [p["pid"] for p in procs(cluster, node, run_id) or []
-            if "entry --module train.run" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
 
 
 def nothing_left(cluster, nodes, run_id, only_this_run=False):
     """No process of the run (by its marker) and, unless another run is meant to be running, no
     training or launcher process at all on the nodes."""
-    return all(procs(cluster, n, run_id) == [] and (only_this_run or
+    return all(cluster.procs(n, run_id) == [] and (only_this_run or
                cluster.exec(n, "pgrep -f '[t]rain.run|[d]eepspeed.launcher' || true").stdout.strip() == "")
                for n in nodes)
 
 
-def run_status(cluster, run_id):
-    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}",
-                                   user="dstrain").stdout)
 
 
 def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster, figures):
@@ -74,14 +58,14 @@ def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, c
     try:
         launch(cluster, run_id, 100000, 5)
         wait_checkpoint(cluster, run_id, 5)
-        victim = wait(lambda: rank_pids(cluster, worker, run_id), 30, "a rank on the worker")[0]
+        victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         t0 = time.time()
         cluster.exec(worker, f"kill -9 {victim}")
         wait(lambda: nothing_left(cluster, cluster.names, run_id), EXIT_BOUND_S["rank"],
              "every process of the run to exit")
         elapsed = time.time() - t0
         figures("rank killed", seconds_to_last_exit=round(elapsed, 1), node=worker)
-        st = wait(lambda: (s := run_status(cluster, run_id))["state"] == "failed" and s, 30, "state failed")
+        st = wait(lambda: (s := cluster.run_status(run_id))["state"] == "failed" and s, 30, "state failed")
         assert st["failed_node"] == worker and "killed by SIGKILL" in st["first_error"], st
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: failed" in shown.output and f"a rank on {worker} was killed by SIGKILL" in shown.output
@@ -106,7 +90,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
              "every process of the run on the master to exit")
         elapsed = time.time() - t0
         figures("worker stopped", seconds_to_last_exit=round(elapsed, 1), node=worker)
-        st = wait(lambda: (s := run_status(cluster, run_id))["state"] == "failed" and s, 30, "state failed")
+        st = wait(lambda: (s := cluster.run_status(run_id))["state"] == "failed" and s, 30, "state failed")
         assert st["failed_node"] == worker and f"connection to {worker} was lost" in st["first_error"], st
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: failed" in shown.output and f"{worker}: unreachable" in shown.output, shown.output[-3000:]
@@ -128,12 +112,12 @@ def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(pro
     run_id = "f-drop"
     try:
         launch(cluster, run_id, 100000, 1000)
-        wait(lambda: run_status(cluster, run_id)["last"], 120, "a first logged step")
+        wait(lambda: cluster.run_status(run_id)["last"], 120, "a first logged step")
         # Drop every SSH session from the control node (Ansible's persistent ones included).
         for n in cluster.names:
             cluster.exec(n, "pkill -f '[s]shd: root' || true")
-        before = run_status(cluster, run_id)["last"]["step"]
-        wait(lambda: run_status(cluster, run_id)["last"]["step"] > before + 2, 60, "steps after the drop")
+        before = cluster.run_status(run_id)["last"]["step"]
+        wait(lambda: cluster.run_status(run_id)["last"]["step"] > before + 2, 60, "steps after the drop")
         st = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert st.returncode == 0 and f"run {run_id}: running" in st.output, st.output[-3000:]
         second = cluster.playbook("launch.yml", "-e", "run_id=f-second")
@@ -143,7 +127,7 @@ def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(pro
         replaced = launch(cluster, "f-second", 100000, 1000, "-e", "replace=true")
         assert f"replacing run {run_id}" in replaced.output, replaced.output[-3000:]
         assert nothing_left(cluster, cluster.names, run_id, only_this_run=True)
-        assert wait(lambda: rank_pids(cluster, cluster.names[1], "f-second"), 60, "the new run's ranks")
+        assert wait(lambda: cluster.rank_pids(cluster.names[1], "f-second"), 60, "the new run's ranks")
         stop = cluster.playbook("stop.yml", "-e", "run_id=f-second")
         assert stop.returncode == 0 and nothing_left(cluster, cluster.names, "f-second")
     finally:
@@ -184,14 +168,14 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
     try:
         launch(cluster, run_id, 100000, every)
         wait_checkpoint(cluster, run_id, 2 * every)
-        now = run_status(cluster, run_id)["last"]["step"]
+        now = cluster.run_status(run_id)["last"]["step"]
         stuck = (now // every + 100) * every  # a save a few seconds ahead
         cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
                                      f"mkfifo {RUNS}/{run_id}/checkpoints/step{stuck}/mp_rank_00_model_states.pt",
                      user="dstrain")
-        wait(lambda: run_status(cluster, run_id)["last"]["step"] == stuck, 120, f"the run to reach step {stuck}")
+        wait(lambda: cluster.run_status(run_id)["last"]["step"] == stuck, 120, f"the run to reach step {stuck}")
         time.sleep(3)  # every rank is now inside save(): the master's write blocks, the others wait
-        assert run_status(cluster, run_id)["last"]["step"] == stuck
+        assert cluster.run_status(run_id)["last"]["step"] == stuck
         stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         assert stop.returncode == 0, stop.output[-3000:]
         assert nothing_left(cluster, cluster.names, run_id)
@@ -214,9 +198,9 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
         # ~50 tiny steps/s here: long enough that the kill lands mid-run.
         launch(cluster, run_id, 3000, 100, "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
         wait_checkpoint(cluster, run_id, 100)
-        victim = wait(lambda: rank_pids(cluster, worker, run_id), 30, "a rank on the worker")[0]
+        victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -9 {victim}")
-        st = wait(lambda: (s := run_status(cluster, run_id))["state"] in ("finished", "failed") and s, 400,
+        st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 400,
                   "the restarted run to end", every=2)
         assert st["state"] == "finished" and st["restarts"] == 1, st
         restarts = [json.loads(x) for x in cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/restarts.log").stdout.splitlines()]

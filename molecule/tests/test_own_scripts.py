@@ -6,10 +6,10 @@ and nothing else; and the bad inputs refused before any node changes."""
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from cluster import wait
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "scripts"
@@ -34,19 +34,8 @@ def launch(cluster, run_id, *extra, ok=True):
     return r
 
 
-def status(cluster, run_id):
-    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}",
-                                   user="dstrain").stdout)
 
 
-def wait(cond, timeout, what, every=1.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def shown_status(cluster, run_id):
@@ -56,7 +45,7 @@ def shown_status(cluster, run_id):
 
 
 def assert_finished_with_progress(cluster, run_id, steps):
-    st = status(cluster, run_id)
+    st = cluster.run_status(run_id)
     assert st["state"] == "finished", (st, cluster.exec(cluster.master, f"tail -40 {RUNS}/{run_id}/launcher.log").stdout)
     assert st["last"]["step"] == steps and st["last"]["loss"] > 0, st
     log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
@@ -194,7 +183,7 @@ def test_run_clm_stopped_mid_run_resumes_from_its_checkpoint(data, cluster):
              "run_clm's checkpoint-50 on every node")
         stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         assert stop.returncode == 0 and "none left" in stop.output, stop.output[-3000:]
-        assert status(cluster, run_id)["state"] == "stopped"
+        assert cluster.run_status(run_id)["state"] == "stopped"
         done = max(int(x.rsplit("-", 1)[1]) for x in cluster.exec(
             cluster.master, f"ls -d {RUNS}/{run_id}/code/out/checkpoint-*").stdout.split())
         # resume.yml starts the same entry point from launch.json; -e gives it a nearer end
@@ -218,16 +207,11 @@ def test_accelerate_script_restarted_by_max_restarts_finishes(data, cluster):
     launch(cluster, run_id, *accelerate_args("zero2", 200, checkpoint_every=1000, resume_args=()),
            "-e", "max_restarts=1", "-e", "restart_backoff_s=2")
     try:
-        wait(lambda: (status(cluster, run_id).get("last") or {}).get("step", 0) >= 10, 600, "ten steps")
-
-        def rank_on_worker():
-            r = cluster.exec(worker, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
-            return [p["pid"] for p in (json.loads(r.stdout) if r.returncode == 0 else [])
-                    if "entry --script deepspeed_with_config_support.py" in p["cmd"]
-                    and "deepspeed.launcher" not in p["cmd"]]
-        victim = wait(rank_on_worker, 60, "a rank on the worker")[0]
+        wait(lambda: (cluster.run_status(run_id).get("last") or {}).get("step", 0) >= 10, 600, "ten steps")
+        victim = wait(lambda: cluster.rank_pids(worker, run_id, "--script deepspeed_with_config_support.py"), 60,
+                      "a rank on the worker")[0]
         cluster.exec(worker, f"kill -9 {victim}")
-        st = wait(lambda: (s := status(cluster, run_id))["state"] in ("finished", "failed") and s, 900,
+        st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 900,
                   "the restarted run to end", every=2)
         assert st["state"] == "finished" and st["restarts"] == 1, st
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
@@ -268,7 +252,7 @@ def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
         for node in cluster.names:  # while the ranks live: no command line holds it
             cmdlines = cluster.exec(node, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '", check=False).stdout
             assert "show_secret.py" in cmdlines and SECRET not in cmdlines
-        wait(lambda: status(cluster, run_id)["state"] == "finished", 120, "the run to finish")
+        wait(lambda: cluster.run_status(run_id)["state"] == "finished", 120, "the run to finish")
         logs = tmp_path / "logs"
         fetched = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", f"logs_dest={logs}")
         assert fetched.returncode == 0, fetched.output[-3000:]

@@ -5,6 +5,8 @@ import json
 import threading
 import time
 
+from cluster import wait
+
 RUNS = "/opt/dscluster/runs"
 OTHER_ROOT = "/opt/dscluster/runs-b"
 TINY = {"vocab_size": 512, "seq_len": 64}
@@ -21,13 +23,6 @@ def last_step(cluster, root, run_id):
     return json.loads(r.stdout)["step"] if r.stdout.strip() else 0
 
 
-def wait(cond, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_stopping_one_run_leaves_another_training(provisioned, cluster):

@@ -6,7 +6,6 @@ from the offline wheelhouse. They do not need the container cluster.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

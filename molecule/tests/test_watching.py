@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+from cluster import wait
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
 TINY = {"vocab_size": 512, "seq_len": 64}
@@ -24,26 +26,10 @@ def launch(cluster, run_id, *extra):
     return r
 
 
-def status(cluster, run_id):
-    return json.loads(cluster.exec(cluster.master, f"/usr/local/lib/dscluster/dsc_node.py status {RUNS}/{run_id} {run_id}",
-                                   user="dstrain").stdout)
 
 
-def wait(cond, timeout, what, every=1.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def rank_pid(cluster, node, run_id):
-    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
-    pids = [p["pid"] for p in (json.loads(r.stdout) if r.returncode == 0 else [])
-            if "entry --module train.run" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
-    return pids[0] if pids else None
 
 
 def is_png(path, min_bytes=20000):
@@ -80,7 +66,7 @@ def test_logs_follow_streams_the_log_until_the_run_ends(provisioned, cluster):
     r = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "lines=3",
                          "-e", "logs_dest=/tmp/dsc-w-stream")
     assert r.returncode == 0, r.output[-3000:]
-    assert status(cluster, run_id)["state"] == "finished"
+    assert cluster.run_status(run_id)["state"] == "finished"
     streamed = [x for x in r.output.splitlines() if x.startswith(f"{cluster.names[0]}: ") and "step " in x]
     assert len(streamed) >= 2, r.output[-3000:]
     assert "Process" in r.output and "exits successfully" in r.output  # the log's end came through
@@ -100,16 +86,16 @@ def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provision
     launch(cluster, run_id, "-e", "dsc_stall_timeout_s=15",
            *e(dsc_train_config=dict(TINY, steps=100000, log_every=10, save_every=100000)))
     try:
-        wait(lambda: (status(cluster, run_id).get("last") or {}).get("step"), 300, "the first steps")
-        victim = wait(lambda: rank_pid(cluster, worker, run_id), 30, "a rank on the worker")
+        wait(lambda: (cluster.run_status(run_id).get("last") or {}).get("step"), 300, "the first steps")
+        victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -STOP {victim}")
         stopped_at = time.time()
-        st = wait(lambda: (s := status(cluster, run_id))["state"] == "stalled" and s, 60, "the stall mark")
+        wait(lambda: (s := cluster.run_status(run_id))["state"] == "stalled" and s, 60, "the stall mark")
         assert time.time() - stopped_at < 15 + 20  # the set time, plus the polls
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: stalled" in shown.output
         cluster.exec(worker, f"kill -CONT {victim}")
-        wait(lambda: status(cluster, run_id)["state"] == "running", 60, "steps again")
+        wait(lambda: cluster.run_status(run_id)["state"] == "running", 60, "steps again")
     finally:
         cluster.exec(worker, "pkill -CONT -f 'entry --module train.run' || true", check=False)
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
@@ -123,9 +109,9 @@ def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provis
     try:
         wait(lambda: cluster.exec(worker, f"test -f {RUNS}/{run_id}/checkpoints/step200/COMPLETE",
                                   check=False).returncode == 0, 300, "checkpoint step200 on the worker")
-        victim = wait(lambda: rank_pid(cluster, worker, run_id), 30, "a rank on the worker")
+        victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -STOP {victim}")
-        st = wait(lambda: (s := status(cluster, run_id))["state"] in ("finished", "failed") and s, 600,
+        st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 600,
                   "the restarted run to end", every=2)
         assert st["state"] == "finished" and st["restarts"] == 1, st
         restarts = [json.loads(x) for x in
