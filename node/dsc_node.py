@@ -84,6 +84,7 @@ class RunDir:
     CHECKPOINTS = "checkpoints"   # train.run's; left out of logs.yml's copies with the code
     ATTEMPT = "attempt.json"      # the current attempt and where its output starts in the log
     STALLED = "stalled.json"      # no step for the stall time (removed when steps come again)
+    RANKS_STARTED = "ranks.started"  # a rank started on this node (the entry shim)
     LOCK = ".launch.lock"         # in the run root: one launch at a time
 
     def __init__(self, path):
@@ -248,6 +249,7 @@ def entry(args, local_rank=()):
     patches = {"accelerate.state": accelerate_on_cpu}
     if run_dir:
         patches["deepspeed.runtime.engine"] = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS)
+        (RunDir(run_dir) / RunDir.RANKS_STARTED).touch()
     sys.meta_path.insert(0, AfterImport(patches))
     import runpy
     sys.argv = [target] + list(local_rank) + rest
@@ -578,7 +580,9 @@ def connect(a):
 # connection was lost, e.g. the node died).
 RANK_EXIT = re.compile(r"^(\S+): .*exits with return code = (-?\d+)")
 SSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
-CAUSE_ORDER = {"signal": 0, "lost": 1, "exit": 2, "stall": 3}
+# A stall is the supervisor's own verdict, taken only while no other failure was seen: what its
+# teardown then causes (lost sessions, killed ranks) is not the cause.
+CAUSE_ORDER = {"stall": -1, "signal": 0, "lost": 1, "exit": 2}
 ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code = [1-9]|"
                         r"was not reachable|Address already in use)")
 
@@ -739,8 +743,8 @@ def status(run_dir, run_id):
         state = "stopped"
     elif code is not None:
         state = "failed"
-    elif not (run / RunDir.LOG).exists():
-        state = "not started"
+    elif not (run / RunDir.LOG).exists():  # a worker (no launcher here), or a run not yet started
+        state = "ended" if (run / RunDir.RANKS_STARTED).exists() else "not started"
     else:
         state = "lost"  # launcher gone without an exit code (killed with the node)
     last = last_line(run / RunDir.METRICS) or last_line(run / RunDir.PROGRESS)

@@ -106,6 +106,7 @@ def test_runs_lists_newest_first_with_active_and_started(tmp_path):
 
 @pytest.mark.parametrize("files,state", [
     ({}, "not started"),
+    ({"ranks.started": ""}, "ended"),  # a worker whose ranks are gone, before the exit code comes
     ({"launcher.log": "x", "exit_code": "0\n"}, "finished"),
     ({"launcher.log": "x", "exit_code": "1\n"}, "failed"),
     ({"launcher.log": "x", "exit_code": "-15\n", "stopped": "stopped\n"}, "stopped"),
