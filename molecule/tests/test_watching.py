@@ -41,7 +41,7 @@ def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, clu
     run_id = "w-follow"
     (PLOTS / f"{run_id}.png").unlink(missing_ok=True)
     r = launch(cluster, run_id, "-e", "follow=true", "-e", "dsc_tensorboard=true",
-               *e(dsc_train_config=dict(TINY, steps=300, log_every=5, save_every=1000)))
+               *e(dsc_train_config=dict(TINY, steps=800, log_every=5, save_every=1000)))
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
     # while the ranks train both nodes say so (at the very end the worker's ranks may be gone first: "ended")
