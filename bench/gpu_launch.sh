@@ -5,6 +5,7 @@
 # hand, status.yml). WHEELS holds the node's wheels (DeepSpeed and the deps the image lacks), the
 # Ansible wheels and collections.tgz (ansible.posix, community.crypto, community.general).
 #   bench/gpu_launch.sh WHEELS OUT_JSON [REPS]
+#   bench/gpu_launch.sh WHEELS clm OUT_DIR [bench/gpu_clm.py options]   (run_clm.py: launch.yml vs by hand)
 set -euo pipefail
 wheels=$(realpath "$1"); out=$2; reps=${3:-2}
 py=/opt/torch/.venv/bin/python3
@@ -17,4 +18,7 @@ fi
 printf '#!/bin/sh\nPYTHONPATH=/tmp/anssite exec %s /tmp/anssite/bin/ansible-playbook "$@"\n' "$py" > /tmp/ansible-playbook
 chmod +x /tmp/ansible-playbook
 export ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels DSC_ANSIBLE_PLAYBOOK=/tmp/ansible-playbook
+if [ "$out" = clm ]; then
+  exec $py bench/gpu_clm.py --out "$3" "${@:4}"
+fi
 $py bench/launch.py --where gpu --reps "$reps" --out "$out"
