@@ -40,6 +40,9 @@ def make_data():
         return
     DATA.mkdir(parents=True)
     shutil.copytree(FIXTURES / "data" / "tokenizer", DATA / "tokenizer")
+    # the fixture's tokenizer says 128 tokens; run_clm.py caps --block_size at it
+    tok = json.loads((DATA / "tokenizer" / "tokenizer_config.json").read_text())
+    (DATA / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(dict(tok, model_max_length=1024)))
     (DATA / "gpt2-124m").mkdir()
     (DATA / "gpt2-124m" / "config.json").write_text(json.dumps(GPT2_124M, indent=1))
     text = (FIXTURES / "data" / "train.txt").read_text()
