@@ -302,3 +302,20 @@ def test_a_ds_config_deepspeed_rejects_is_refused_before_any_node_changes(provis
     assert r.returncode != 0 and "DeepSpeed rejects the run's ds_config" in r.output, r.output[-3000:]
     assert "no_such_key" in r.output and "nothing was changed" in r.output
     assert [cluster.exec(n, f"ls -A {RUNS}", check=False).stdout for n in cluster.names] == before
+
+
+def test_a_shared_data_path_must_be_readable_on_every_node(data, cluster):
+    """dsc_data_shared: nothing is synced; preflight checks the training user can read the path
+    on every node (a FAIL names the node that lacks it)."""
+    shared = "/tmp/dscluster-shared-data"
+    worker = cluster.names[1]
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {shared} && mkdir -p {shared} && echo x > {shared}/part-0 && chmod -R a+rX {shared}")
+    ok = cluster.playbook("preflight.yml", "-e", f"dsc_data_dir={shared}", "-e", "dsc_data_shared=true")
+    assert ok.returncode == 0, ok.output[-3000:]
+    assert ok.output.count(f"{shared} readable by dstrain") >= 2, ok.output[-3000:]  # a row per node
+    cluster.exec(worker, f"chmod 0700 {shared}")  # root's only: the ranks could not read it
+    bad = cluster.playbook("preflight.yml", "-e", f"dsc_data_dir={shared}", "-e", "dsc_data_shared=true")
+    assert bad.returncode != 0 and f"{shared} missing or not readable by dstrain" in bad.output, bad.output[-3000:]
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {shared}")
