@@ -77,7 +77,7 @@ def test_logs_are_fetched(zero3_run, cluster, tmp_path):
 def test_every_preset_renders_a_config_deepspeed_accepts(provisioned, cluster, preset):
     r = cluster.playbook("launch.yml", "-e", f"preset={preset}", "-e", "dry_run=true", "-e", f"run_id=dry-{preset}")
     assert r.returncode == 0, r.output[-3000:]
-    assert "Validate ds_config.json with DeepSpeed's own config classes" in r.output
+    assert "Check the ds_config with DeepSpeed's own config classes" in r.output
     cfg = json.loads(cluster.exec(cluster.master, f"cat /opt/dscluster/runs/dry-{preset}/ds_config.json").stdout)
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
     assert cfg["zero_optimization"]["stage"] == int(preset[4])
@@ -132,7 +132,8 @@ def _stop_and_resume(cluster):
 
 def test_a_users_own_ds_config_is_used_and_validated_by_deepspeed(provisioned, cluster, tmp_path):
     """File mode: the user's config reaches every node as written (no preset, optimizer or batch
-    of the toolkit's), and DeepSpeed's own config classes accept it (dry run)."""
+    of the toolkit's; its csv monitor and node-local checkpoints only), and DeepSpeed's own config
+    classes accept it (dry run)."""
     own = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
@@ -141,6 +142,10 @@ def test_a_users_own_ds_config_is_used_and_validated_by_deepspeed(provisioned, c
     r = cluster.playbook("launch.yml", "-e", "dry_run=true", "-e", "run_id=dry-own-config",
                          "-e", "dsc_ds_config_mode=file", "-e", f"dsc_ds_config_file={tmp_path}/ds_config.json")
     assert r.returncode == 0, r.output[-3000:]
-    assert "Validate ds_config.json with DeepSpeed's own config classes" in r.output
+    assert "Check the ds_config with DeepSpeed's own config classes" in r.output
     for n in cluster.names:
-        assert json.loads(cluster.exec(n, "cat /opt/dscluster/runs/dry-own-config/ds_config.json").stdout) == own
+        got = json.loads(cluster.exec(n, "cat /opt/dscluster/runs/dry-own-config/ds_config.json").stdout)
+        # the toolkit adds only DeepSpeed's csv monitor and node-local checkpoint storage
+        assert got.pop("csv_monitor")["output_path"] == "/opt/dscluster/runs/dry-own-config/monitor/"
+        assert got.pop("checkpoint") == {"use_node_local_storage": True}
+        assert got == own
