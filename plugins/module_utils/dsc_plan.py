@@ -708,6 +708,20 @@ def render(templates_dir, name, **values):
     return env.get_template(name).render(**values)
 
 
+def _run_sections(config, run_dir, tensorboard):
+    """What the toolkit adds to a run's ds_config, whatever its mode: DeepSpeed's csv monitor
+    (lr, samples) unless the config has a monitor of its own, TensorBoard when asked (event files
+    in the run directory, fetched by logs.yml), and node-local checkpoint storage unless the config
+    says otherwise (run directories are per node: each node's local rank 0 saves the shared
+    state; a shared filesystem sets it false in its own config)."""
+    if not any(k in config for k in MONITORS):
+        config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/monitor/", "job_name": "ds"}
+    if tensorboard:
+        config["tensorboard"] = {"enabled": True, "output_path": f"{run_dir}/tensorboard/", "job_name": "ds"}
+    if "use_node_local_storage" not in config.get("checkpoint", {}):
+        config["checkpoint"] = dict(config.get("checkpoint", {}), use_node_local_storage=True)
+
+
 def _run_options(options, defaults, runs_seen):
     """The run options: given ones, else the resumed run's launch spec, else the defaults."""
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
@@ -927,20 +941,12 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     # name so that `python -m train.run` finds it.
     code_base = os.path.basename(os.path.normpath(entry["code_dir"]))
     package_dir = not entry["script"] and entry["module"].split(".")[0] == code_base
-    if config is not None and not any(k in config for k in MONITORS):
-        # DeepSpeed's own monitor (lr, samples) beside the entry shim's progress.jsonl.
-        config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/monitor/", "job_name": "ds"}
-    if as_bool(opt["dsc_tensorboard"]):
-        if config is None:
-            problems.add("dsc_tensorboard is true but dsc_ds_config_mode is 'none'. Fix: enable "
-                         "DeepSpeed's tensorboard section in the config your script passes, or "
-                         "use a mode the toolkit writes the config for.")
-        else:  # event files land in the run directory; logs.yml fetches them
-            config["tensorboard"] = {"enabled": True, "output_path": f"{run_dir}/tensorboard/", "job_name": "ds"}
-    if config is not None and "use_node_local_storage" not in config.get("checkpoint", {}):
-        # Run directories are per node: each node's local rank 0 saves the shared checkpoint
-        # state (a shared filesystem sets it false in its own config).
-        config["checkpoint"] = dict(config.get("checkpoint", {}), use_node_local_storage=True)
+    if as_bool(opt["dsc_tensorboard"]) and config is None:
+        problems.add("dsc_tensorboard is true but dsc_ds_config_mode is 'none'. Fix: enable "
+                     "DeepSpeed's tensorboard section in the config your script passes, or "
+                     "use a mode the toolkit writes the config for.")
+    if config is not None:
+        _run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
     env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
     if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them; its
         # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
