@@ -75,6 +75,16 @@ def test_logs_follow_streams_the_log_until_the_run_ends(provisioned, cluster):
     assert "RETRYING" not in r.output
 
 
+def test_status_follows_a_running_run_to_its_end(provisioned, cluster):
+    run_id = "w-status-follow"
+    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=800, log_every=5, save_every=1000)))
+    r = cluster.playbook("status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
+    assert r.returncode == 0, r.output[-3000:]
+    lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
+    assert lines and "RETRYING" not in r.output, r.output[-3000:]
+    assert cluster.run_status(run_id)["state"] == "finished" and f"Plot: {PLOTS}/{run_id}.png" in r.output
+
+
 def test_plot_draws_several_runs_in_one_picture(provisioned, cluster):
     r = cluster.playbook("plot.yml", *e(plot_runs=["w-follow", "w-stream"]))
     assert r.returncode == 0, r.output[-3000:]
