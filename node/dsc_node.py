@@ -769,12 +769,21 @@ def status(run_dir, run_id):
             "first_error": error, "traceback": trace}
 
 
-def last_line(path):
-    """The last JSON line of a jsonl file (train.run's metrics, any script's progress), or None."""
+def size_of(path):
+    """A file's size, 0 when it does not exist."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def last_line(path, start=0):
+    """The last JSON line of a jsonl file (train.run's metrics, any script's progress), or None;
+    with `start`, only a line written past that byte offset counts."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
+            f.seek(max(start, f.tell() - 65536))
             lines = f.read().decode(errors="replace").strip().splitlines()
         return json.loads(lines[-1]) if lines else None
     except (OSError, ValueError):
@@ -891,12 +900,14 @@ class Stall:
     """A run whose ranks are alive but complete no step: a collective that never returns (a
     peer stopped, an NCCL hang) looks exactly like that. The steps are global rank 0's
     (train.run's metrics.jsonl, any script's progress.jsonl, both on the master); before the
-    first one nothing is judged (start-up, op builds). Stalled after `timeout_s` without a new
-    step; 0 means 10x the median step time, at least `min_s`."""
+    first one of this attempt nothing is judged (start-up, op builds, a restart loading its
+    checkpoint: the lines an earlier attempt wrote do not count). Stalled after `timeout_s`
+    without a new step; 0 means 10x the median step time, at least `min_s`."""
 
     def __init__(self, run, timeout_s=0.0, min_s=300.0):
         self.run, self.timeout_s, self.min_s = run, float(timeout_s), float(min_s)
         self.step, self.since, self.per_step = None, time.time(), []
+        self.start = {name: size_of(run / name) for name in (RunDir.METRICS, RunDir.PROGRESS)}
         (run / RunDir.STALLED).unlink(missing_ok=True)
 
     def limit(self):
@@ -907,7 +918,7 @@ class Stall:
 
     def check(self, now):
         """None while steps come; else the stall record, written to stalled.json."""
-        last = last_line(self.run / RunDir.METRICS) or last_line(self.run / RunDir.PROGRESS) or {}
+        last = next(filter(None, (last_line(self.run / name, start) for name, start in self.start.items())), {})
         step = last.get("step")
         if step is not None and step != self.step:
             if self.step is not None and step > self.step:

@@ -370,6 +370,10 @@ def test_a_run_without_a_new_step_for_the_limit_is_stalled_until_the_next_step(t
     step(4)
     assert watch.check(114.0) is None and not (tmp_path / "stalled.json").exists()
     assert dsc_node.Stall(run, timeout_s=30).limit() == 30
+    restarted = dsc_node.Stall(run, timeout_s=0, min_s=5)  # a restart: step 4 is the last attempt's
+    assert restarted.check(200.0) is None and restarted.check(300.0) is None
+    step(2)
+    assert restarted.check(301.0) is None and restarted.check(306.5)["step"] == 2
     assert dsc_node.describe({"kind": "stall", "limit_s": 10.0, "step": 3}) == \
         "the run stalled: no step for 10 s after step 3"
 
