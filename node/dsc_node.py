@@ -317,16 +317,35 @@ def free_port(first, last):
     return next((p for p in range(first, last + 1) if port_free(p)), None)
 
 
-def pid_alive(pid_file):
-    """The pid in the file if that process exists (EPERM: another user's process, alive)."""
+def start_time(pid):
+    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None:
+    with the pid it names one process, never a later one that reused the number."""
     try:
-        pid = int(Path(pid_file).read_text().strip())
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write_pid(pid_file, pid):
+    write_atomic(pid_file, f"{pid} {start_time(pid) or ''}".strip() + "\n")
+
+
+def pid_alive(pid_file):
+    """The pid in the file if that very process exists: the start time written beside it must
+    match (a stale file whose pid was reused by another process reads as dead); EPERM on another
+    user's process reads as alive."""
+    try:
+        pid, *started = Path(pid_file).read_text().split()
+        pid = int(pid)
         os.kill(pid, 0)
-        return pid
     except PermissionError:
-        return pid
+        pass
     except (OSError, ValueError):
         return None
+    if started and start_time(pid) not in (None, int(started[0])):
+        return None
+    return pid
 
 
 def active(run_root):
@@ -337,7 +356,8 @@ def active(run_root):
 
 
 def runs(run_root):
-    """The runs under the run root, newest first: id, started (a launcher log exists), active."""
+    """The runs under the run root, newest first: id, started (a launcher log exists), active,
+    finished (exit code 0)."""
     out = []
     try:
         entries = list(os.scandir(run_root))
@@ -347,9 +367,13 @@ def runs(run_root):
         if not e.is_dir(follow_symlinks=False):
             continue
         d = RunDir(e.path)
+        try:
+            finished = (d / RunDir.EXIT).read_text().strip() == "0"
+        except OSError:
+            finished = False
         out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,
                     "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID)),
-                    "launch": read_json(d / RunDir.LAUNCH)})
+                    "finished": finished, "launch": read_json(d / RunDir.LAUNCH)})
     return sorted(out, key=lambda r: r["mtime"], reverse=True)
 
 
@@ -1098,7 +1122,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    (run / RunDir.PID).write_text(str(os.getpid()))
+    write_pid(run / RunDir.PID, os.getpid())
     env = dict(os.environ, DSC_RUN_ID=run_id, DSC_RUN_DIR=str(run.path))
     restarts_file = run / RunDir.RESTARTS
     restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0

@@ -63,7 +63,7 @@ SECRET_SETTINGS = ("dsc_secrets",)
 NODE_SETTINGS = ("dsc_addr", "dsc_slots", "dsc_ssh_port", "dsc_gpus")
 # Options of one run (launch, resume, status, stop, logs): -e values or the playbook's vars.
 RUN_OPTIONS = (
-    "preset", "run_id", "resume", "replace", "dry_run", "follow", "max_restarts",
+    "preset", "run_id", "resume", "force", "replace", "dry_run", "follow", "max_restarts",
     "restart_backoff_s", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch",
     "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
@@ -846,6 +846,14 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
         problems.add(f"run_id {run_id!r}: no such run under {plan['run_root']} on "
                      f"{plan['master']} to resume. Fix: the id of an earlier run "
                      f"({', '.join(list(seen)[:5]) or 'none there'}).")
+    elif as_bool(opt["resume"]) and seen.get(run_id, {}).get("active"):
+        problems.add(f"run_id {run_id!r} is still running on {plan['master']}: resuming it would "
+                     f"start a second copy. Fix: follow it (status.yml -e run_id={run_id} "
+                     f"-e follow=true), or stop it first (stop.yml -e run_id={run_id}).")
+    elif as_bool(opt["resume"]) and seen.get(run_id, {}).get("finished") and not as_bool(opt["force"]):
+        problems.add(f"run_id {run_id!r} finished on {plan['master']}; resuming it would train "
+                     f"past its end and rewrite its summary. Fix: add -e force=true, with more "
+                     f"steps than it ran, or launch a new run.")
     elif not as_bool(opt["resume"]) and seen.get(run_id, {}).get("started"):
         problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} already holds a run (its "
                      f"metrics and checkpoints would mix with a new run's). Fix: resume it "
@@ -982,15 +990,16 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
 
 
 def run_reference(run_id, runs, run_root):
-    """The run that status, stop and logs act on: run_id if given, else the active run, else the
-    newest; (id, dir, problem)."""
+    """The run that status, stop and logs act on: run_id if given, else the active run, else
+    none (those playbooks then refuse and list the runs: the newest directory is not
+    necessarily the run going on, and a stop of the wrong one would report "none left" while
+    the real one trains); (id, dir, problem)."""
     if run_id:
         if not RUN_ID.match(run_id) or run_id in (".", ".."):
             return None, None, (f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and "
                                 f"'-', starting with a letter or digit.")
     else:
-        chosen = [r for r in runs if r.get("active")] or runs
-        run_id = chosen[0]["id"] if chosen else ""
+        run_id = next((r["id"] for r in runs if r.get("active")), "")
     return (run_id or None), (f"{run_root}/{run_id}" if run_id else None), None
 
 
@@ -1004,7 +1013,8 @@ def _plot_runs(given, plan, problems):
         if run_id not in known:
             problems.add(f"plot_runs: no run {run_id!r} under {plan['run_root']} on {plan['master']}. "
                          f"Fix: one of {', '.join(known[:8]) or 'none there yet'} (runs.yml lists them).")
-    return [str(r) for r in given] or ([plan["run_id"]] if plan["run_id"] else [])
+    newest = [plan["run_id"]] if plan["run_id"] else known[:1]
+    return [str(r) for r in given] or newest
 
 
 def code_archive(code_dir, limit=64 * 2**20):

@@ -397,3 +397,14 @@ def test_after_import_patches_a_module_once_on_its_first_import(tmp_path):
     finally:
         sys.meta_path.remove(finder)
         sys.path.remove(str(tmp_path))
+
+
+def test_a_pid_file_names_one_process_never_a_later_one_with_the_same_number(tmp_path):
+    pid_file = tmp_path / "launcher.pid"
+    dsc_node.write_pid(pid_file, os.getpid())
+    assert dsc_node.pid_alive(pid_file) == os.getpid()
+    pid, started = pid_file.read_text().split()
+    pid_file.write_text(f"{pid} {int(started) - 1}\n")  # the number reused by a later process
+    assert dsc_node.pid_alive(pid_file) is None
+    pid_file.write_text(f"{pid}\n")  # written before start times were kept
+    assert dsc_node.pid_alive(pid_file) == os.getpid()

@@ -291,18 +291,28 @@ def test_a_used_run_directory_is_not_reused_and_resume_needs_a_known_run():
     assert errors == [] and p["run"]["id"] == "older" and p["run"]["commands"]["node1"][-1] == "--resume"
 
 
+def test_resume_is_refused_for_a_running_run_and_for_a_finished_one_unless_forced():
+    p, errors = plan(options={"run_id": "old", "resume": True}, full_run=True, runs=ACTIVE)
+    assert any("run_id 'old' is still running on node1" in e and "stop.yml -e run_id=old" in e for e in errors), errors
+    done = [dict(ACTIVE[1], finished=True)]
+    p, errors = plan(options={"resume": True}, full_run=True, runs=done)
+    assert any("run_id 'older' finished on node1" in e and "force=true" in e for e in errors), errors
+    p, errors = plan(options={"resume": True, "force": True}, full_run=True, runs=done)
+    assert errors == [] and p["run"]["id"] == "older"
+
+
 def test_status_reports_a_bad_run_id_with_the_cluster_problems():
     p, errors = plan(options={"run_id": "../x"}, dsc_slots=0)
     assert any(e.startswith("dsc_slots") for e in errors) and any(e.startswith("run_id is '../x'") for e in errors)
 
 
-def test_status_acts_on_the_active_run_else_the_newest():
+def test_status_stop_and_logs_act_on_the_active_run_else_on_none():
     p, _ = plan(options={}, runs=ACTIVE)
     assert p["run_id"] == "old" and p["run_dir"] == "/opt/dscluster/runs/old"
     p, _ = plan(options={}, runs=[dict(ACTIVE[0], active=False), ACTIVE[1]])
-    assert p["run_id"] == "old"
-    p, _ = plan(options={})
-    assert p["run_id"] is None
+    assert p["run_id"] is None  # the newest directory is not taken for the run going on
+    p, _ = plan(options={"run_id": "new"}, runs=[dict(ACTIVE[0], active=False), ACTIVE[1]])
+    assert p["run_id"] == "new"
 
 
 @pytest.mark.parametrize("text,needle", [
