@@ -511,12 +511,78 @@ def check(a):
         # A shared dataset must be readable by the training user (the ranks run as that user).
         "data_readable": (run(["test", "-r", a["data_dir"], "-a", "-x", a["data_dir"]],
                               user=a.get("train_user"))[0] == 0) if a.get("data_dir") else None,
+        "jit_locks": jit_locks_as(a.get("ext_dir"), a.get("train_user")),
     }
     if a.get("master"):
         out["port"] = {"wanted": a["port_first"], "wanted_free": port_free(a["port_first"]),
                        "first_free": free_port(a["port_first"], a["port_last"])}
         out["active_run"] = active(a["run_root"]).get("run_id")
     return out
+
+
+# What runs in an op's build directory while torch holds its lock: ninja and the compilers.
+BUILDERS = {"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", "collect2", "nvcc",
+            "cicc", "ptxas", "fatbinary", "nvlink", "hipcc", "clang", "clang++"}
+
+
+def jit_locks(ext_dir, min_age_s=60.0, now=None):
+    """Torch's op-build locks (`<TORCH_EXTENSIONS_DIR>/<op>/lock`, a file torch creates before
+    building and removes after; every later build of that op on the node waits while it
+    exists): each with its age and whether it is stale, i.e. older than `min_age_s` with no
+    builder working in its directory. A rank killed mid-build leaves one behind and every later
+    run on the node hangs in "Waiting for lock". Read as the lock's owner: a process whose
+    directory cannot be read counts as a builder when its name is a compiler's."""
+    now = time.time() if now is None else now
+    locks = [p for p in Path(ext_dir).glob("*/lock")] + [p for p in Path(ext_dir).glob("*/*/lock")]
+    if not locks:
+        return []
+    cwds, unknown = [], False
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwds.append(os.readlink(f"/proc/{entry.name}/cwd"))
+        except PermissionError:
+            try:
+                unknown |= Path(f"/proc/{entry.name}/comm").read_text().strip() in BUILDERS
+            except OSError:
+                pass
+        except OSError:
+            pass
+    out = []
+    for lock in sorted(locks):
+        try:
+            age = now - lock.stat().st_mtime
+        except OSError:
+            continue
+        where = str(lock.parent)
+        busy = unknown or any(c == where or c.startswith(where + "/") for c in cwds)
+        out.append({"path": str(lock), "age_s": round(age, 1), "stale": age >= min_age_s and not busy})
+    return out
+
+
+def jit_locks_as(ext_dir, user):
+    """jit_locks read as `user` (the builders' owner: root may be denied their /proc entries)."""
+    if not ext_dir:
+        return []
+    rc, out, err = run([sys.executable, os.path.abspath(__file__), "locks", ext_dir], user=user)
+    try:
+        return json.loads(out) if rc == 0 else [{"path": ext_dir, "error": err.strip()[-200:]}]
+    except ValueError:
+        return [{"path": ext_dir, "error": out.strip()[-200:]}]
+
+
+def remove_stale_locks(ext_dir):
+    """Remove the stale op-build locks (jit_locks); the paths removed."""
+    removed = []
+    for lock in jit_locks(ext_dir):
+        if lock["stale"]:
+            try:
+                os.unlink(lock["path"])
+                removed.append(lock["path"])
+            except OSError:
+                pass
+    return removed
 
 
 def mesh(a):
@@ -693,11 +759,12 @@ def wait_gone(run_id, seconds, keep=lambda p: True):
         time.sleep(0.2)
 
 
-def stop(run_id, grace, run_dir=None):
+def stop(run_id, grace, run_dir=None, ext_dir=None):
     """Mark the run stopped (a supervisor then restarts nothing), SIGKILL DeepSpeed's runner and
     pdsh, TERM the rest (each node's launch.py ends its ranks), KILL what is left after `grace`
     seconds, then let the supervisor record the exit code; report what was found and what
-    survived. Only processes that carry this run's id are touched."""
+    survived. Only processes that carry this run's id are touched. With nothing left, stale
+    op-build locks under `ext_dir` go too (a rank killed mid-build leaves one)."""
     if run_dir and os.path.isdir(run_dir):
         write_atomic(RunDir(run_dir) / RunDir.STOPPED, "stopped\n")
     found = procs(run_id)
@@ -719,7 +786,9 @@ def stop(run_id, grace, run_dir=None):
     if left:
         signal_all([p["pid"] for p in left], signal.SIGKILL)
         left = wait_gone(run_id, 5)
-    return {"found": len(found), "left": len(left), "left_pids": [p["pid"] for p in left]}
+    removed = remove_stale_locks(ext_dir) if ext_dir and not left else []
+    return {"found": len(found), "left": len(left), "left_pids": [p["pid"] for p in left],
+            "removed_locks": removed}
 
 
 # A Python exception's last line as pdsh passes it on ("node2: ValueError: ..."), with the
@@ -1252,8 +1321,11 @@ def command(argv):
     elif cmd == "procs":
         print(json.dumps(procs(args[0])))
     elif cmd == "stop":
-        pos, opts = options(args, valued=("--grace", "--run-dir"))
-        print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"))))
+        pos, opts = options(args, valued=("--grace", "--run-dir", "--ext-dir"))
+        print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"),
+                              opts.get("--ext-dir"))))
+    elif cmd == "locks":
+        print(json.dumps(jit_locks(args[0])))
     elif cmd == "runs":
         print(json.dumps(runs_table(args[0])))
     elif cmd == "log":

@@ -52,6 +52,8 @@ class Config:
     log_every: int = 1
     save_every: int = 0                # checkpoint every N steps (0: only at the end)
     save_final: bool = True
+    keep_checkpoints: int = 3          # complete checkpoints kept on each node; older ones are removed
+                                       # once a newer one is complete (train/checkpoints.py)
     stop_at: int = 0                   # end after this step without a final checkpoint (0: off)
     run_dir: str = ""                  # where metrics and checkpoints go (default: $DSC_RUN_DIR or cwd)
     checkpoint_dir: str = ""           # default: <run_dir>/checkpoints
@@ -77,7 +79,7 @@ class Config:
         choose("size", tuple(SIZES))
         choose("data", DATA)
         choose("precision", PRECISIONS)
-        for key in ("seq_len", "steps", "log_every"):
+        for key in ("seq_len", "steps", "log_every", "keep_checkpoints"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"config key '{key}' must be positive, got {getattr(self, key)}")
         if self.data in ("text", "array") and not self.data_path:

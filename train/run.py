@@ -12,7 +12,8 @@ The contract (any script that keeps it can be run by launch.yml):
   - environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT from the launcher, plus the
     cluster's .deepspeed_env; DSC_RUN_DIR is the run directory (same path on every node);
   - outputs, in the run directory: metrics.jsonl (one JSON object per logged step),
-    summary.json at the end, checkpoints/<tag>/ with a COMPLETE marker once fully written.
+    summary.json at the end, checkpoints/<tag>/ with a COMPLETE marker once fully written
+    (the newest keep_checkpoints complete ones are kept; train/checkpoints.py).
 """
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from train.checkpoints import (fsync_path, fsync_tree, latest_complete, mark_complete, needed_bytes,
+                               prune, space_problem, tree_size)
 from train.config import ConfigError, load_config
 from train.data import Batches, load_tokens, rank_info
 from train.model import build_model, flops_per_token, largest_layer_params
@@ -35,7 +39,6 @@ from train.model import build_model, flops_per_token, largest_layer_params
 # Dense bf16/fp16 peak per GPU, for MFU (vendor datasheets).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
               "V100": 125e12}
-COMPLETE = "COMPLETE"
 
 
 def parse_args(argv):
@@ -47,12 +50,6 @@ def parse_args(argv):
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def latest_complete(ckpt_dir: Path):
-    """The newest checkpoint tag with its COMPLETE marker; a half-written one is never taken."""
-    tags = [d for d in ckpt_dir.glob("step*") if (d / COMPLETE).exists()] if ckpt_dir.exists() else []
-    return max(tags, key=lambda d: int(d.name[4:]), default=None)
 
 
 def choose_precision(ds_cfg: dict, wanted: str, device: str) -> str:
@@ -199,19 +196,53 @@ def main(argv=None) -> int:
                           "params": n_params,
                           "memory_estimate": estimate, "start_step": start_step}), flush=True)
 
+    node = os.uname().nodename
+
+    def check_space(tag):
+        """Each node's local rank 0 compares the free space at the checkpoint dir with what the
+        next checkpoint needs; all ranks agree on the verdict, so that a node short of space
+        makes every rank raise together (one raising alone leaves the others waiting in the
+        collective save until the timeout)."""
+        problem = None
+        if local_rank == 0:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            newest = latest_complete(ckpt_dir)
+            needed = needed_bytes(tree_size(newest) if newest else None, n_params)
+            problem = space_problem(tag, ckpt_dir, node, shutil.disk_usage(ckpt_dir).free, needed,
+                                    cfg.keep_checkpoints)
+        short = torch.tensor([1 if problem else 0], dtype=torch.long, device=engine.device)
+        torch.distributed.all_reduce(short, op=torch.distributed.ReduceOp.MAX)
+        if short.item():
+            problems = [None] * world
+            torch.distributed.all_gather_object(problems, problem)
+            problems = list(dict.fromkeys(p for p in problems if p))
+            shutdown()
+            more = f" (and {len(problems) - 1} more nodes short of space)" if len(problems) > 1 else ""
+            raise RuntimeError(problems[0] + more)
+
     def save(step):
         tag = f"step{step}"
+        check_space(tag)
         engine.save_checkpoint(str(ckpt_dir), tag=tag,
                                client_state={"step": step, "data_position": step,
                                              "config": cfg.to_dict()})
         torch.distributed.barrier()
         if local_rank == 0:
-            # Written on every node only after every rank has saved: the marker is what makes a
-            # checkpoint "complete"; a write interrupted before it is never resumed from.
-            tmp = ckpt_dir / tag / f"{COMPLETE}.{os.uname().nodename}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"step": step, "time": time.time()}))
-            tmp.rename(ckpt_dir / tag / COMPLETE)
+            # Written on every node only after every rank has saved and the checkpoint is on
+            # stable storage: the marker is what makes a checkpoint "complete"; a write
+            # interrupted before it (or lost with the page cache) is never resumed from.
+            fsync_tree(ckpt_dir / tag)
+            fsync_path(ckpt_dir, directory=True)
+            mark_complete(ckpt_dir / tag, json.dumps({"step": step, "time": time.time()}), node)
         torch.distributed.barrier()
+        if local_rank == 0:
+            # Past the second barrier the marker is on every node: older checkpoints can go.
+            removed, failed = prune(ckpt_dir, cfg.keep_checkpoints, step)
+            if removed:
+                print(f"checkpoint {tag} complete; removed {', '.join(removed)} "
+                      f"(keep_checkpoints={cfg.keep_checkpoints})", flush=True)
+            for old, e in failed:
+                print(f"checkpoint: cannot remove {ckpt_dir / old}: {e}", file=sys.stderr, flush=True)
 
     losses, step_times, first_step_s = [], [], None
     step = start_step

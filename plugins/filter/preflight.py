@@ -58,6 +58,22 @@ def interface_verdict(node, addr, interfaces, configured):
             "set dsc_addr to an address of this node, or add that address to an interface")
 
 
+def lock_verdict(node, locks):
+    """(status, detail, fix) for torch's op-build locks on a node (the node helper's jit_locks)."""
+    stale = [x for x in locks if x.get("stale")]
+    unread = [x for x in locks if x.get("error")]
+    if stale:
+        paths = ", ".join(f"{x['path']} ({x['age_s']:.0f} s old)" for x in stale)
+        return ("FAIL", f"stale op-build lock {paths}, no build running: every run that builds that "
+                        f"op on {node} waits for it forever",
+                "ansible-playbook stop.yml removes it (or rm it by hand while nothing builds)")
+    if unread:
+        return ("WARN", f"op-build locks not read: {unread[0]['error']}", "check the training user can read "
+                        f"{unread[0]['path']}")
+    held = [x["path"] for x in locks]
+    return ("PASS", f"a build holds {', '.join(held)}" if held else "no stale op-build lock", "")
+
+
 def driver_verdict(cuda, driver):
     if not cuda or cuda == "cpu":
         return ("PASS", "CPU build of torch: no driver needed", "")
@@ -176,6 +192,8 @@ def preflight_rows(hostvars, cluster, settings):
         st = "FAIL" if free < need else "WARN" if free < 2 * need else "PASS"
         rows.append(_row("disk", n, st, f"{free} GiB free at {disk.get('path')} (runs and checkpoints; "
                          f"want {need} GiB)", "free space there, or point dsc_run_root at a larger disk"))
+    for n in ok:
+        rows.append(_row("op build locks", n, *lock_verdict(n, probe[n].get("jit_locks") or [])))
     port = probe.get(master, {}).get("port")
     if port:
         first, last = settings["port_first"], settings["port_last"]

@@ -408,3 +408,26 @@ def test_a_pid_file_names_one_process_never_a_later_one_with_the_same_number(tmp
     assert dsc_node.pid_alive(pid_file) is None
     pid_file.write_text(f"{pid}\n")  # written before start times were kept
     assert dsc_node.pid_alive(pid_file) == os.getpid()
+
+
+def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_directory(tmp_path):
+    held, left = tmp_path / "fused_adam", tmp_path / "cpu_adam"
+    for d in (held, left):
+        d.mkdir()
+        (d / "lock").write_text("")
+    old = time.time() - 600
+    os.utime(left / "lock", (old, old))
+    os.utime(held / "lock", (old, old))
+    young = tmp_path / "shm_comm"
+    young.mkdir()
+    (young / "lock").write_text("")
+    builder = subprocess.Popen(["sleep", "30"], cwd=held)  # as ninja runs in the op's directory
+    try:
+        locks = {Path(x["path"]).parent.name: x["stale"] for x in dsc_node.jit_locks(tmp_path)}
+        assert locks == {"fused_adam": False, "cpu_adam": True, "shm_comm": False}
+        assert dsc_node.remove_stale_locks(tmp_path) == [str(left / "lock")]
+        assert (held / "lock").exists() and (young / "lock").exists() and not (left / "lock").exists()
+    finally:
+        builder.kill()
+        builder.wait()
+    assert dsc_node.jit_locks(tmp_path / "none") == []

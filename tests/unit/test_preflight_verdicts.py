@@ -70,3 +70,12 @@ def test_follow_prints_a_progress_line_not_a_retry_message():
     assert cb.progress_line(json.dumps(status), now=1100.0) == (
         "run r1: running, step 100/400, loss 5.234, 15,020 tokens/s, elapsed 0:01:40, ETA 0:05:00, ranks alive 2")
     assert cb.progress_line("not a status") is None and cb.progress_line('{"changed": false}') is None
+
+
+def test_a_stale_op_build_lock_fails_preflight_and_names_the_fix():
+    stale = {"path": "/c/torch_extensions/fused_adam/lock", "age_s": 900.0, "stale": True}
+    status, detail, fix = preflight.lock_verdict("node2", [stale])
+    assert status == "FAIL" and "fused_adam/lock (900 s old)" in detail and "on node2 waits" in detail
+    assert "stop.yml" in fix
+    assert preflight.lock_verdict("node2", [dict(stale, stale=False)])[0] == "PASS"
+    assert preflight.lock_verdict("node2", [])[:2] == ("PASS", "no stale op-build lock")
