@@ -226,8 +226,13 @@ def test_a_worker_with_live_ranks_is_running_and_records_the_exit(tmp_path):
             time.sleep(0.1)
         st = dsc_node.status(tmp_path, "w-run")
         assert st["state"] == "running" and st["ranks_alive"] == 1 and st["processes"] == 3
-        stopped = json.loads(helper("stop", "w-run", "--grace", 2, "--run-dir", tmp_path).stdout)
-        assert stopped == {"found": 3, "left": 0, "left_pids": []}
+        (tmp_path / "ext" / "cpu_adam").mkdir(parents=True)
+        (tmp_path / "ext" / "cpu_adam" / "lock").write_text("")  # left by a rank killed mid-build
+        os.utime(tmp_path / "ext" / "cpu_adam" / "lock", (time.time() - 600,) * 2)
+        stopped = json.loads(helper("stop", "w-run", "--grace", 2, "--run-dir", tmp_path,
+                                    "--ext-dir", tmp_path / "ext").stdout)
+        assert stopped == {"found": 3, "left": 0, "left_pids": [],
+                           "removed_locks": [str(tmp_path / "ext" / "cpu_adam" / "lock")]}
     finally:
         rank.kill()
     assert helper("write-exit", tmp_path, 0).returncode == 0
