@@ -108,8 +108,11 @@ def _stop_and_resume(cluster):
     assert all(run_procs(cluster, n, "t-long") for n in cluster.names), "ranks should run on every node"
     second = cluster.playbook("launch.yml", "-e", "preset=zero2")
     assert second.returncode != 0 and f"run t-long is active on {cluster.master}" in second.output
-    stop = cluster.playbook("stop.yml", "-e", "run_id=t-long")
-    assert stop.returncode == 0, stop.output[-3000:]
+    _a_dry_run_changes_nothing_outside_its_run_dir(cluster)
+    again = cluster.playbook("resume.yml", "-e", "run_id=t-long")
+    assert again.returncode != 0 and "run_id 't-long' is still running on node1" in again.output
+    stop = cluster.playbook("stop.yml")  # no run_id: the active run
+    assert stop.returncode == 0 and "processes of run t-long; none left" in stop.output, stop.output[-3000:]
     for n in cluster.names:
         assert run_procs(cluster, n, "t-long") == []
         ps = cluster.exec(n, "ps -eo args | grep -c '[t]rain.run' || true").stdout.strip()
@@ -121,9 +124,16 @@ def _stop_and_resume(cluster):
     complete = [set(cluster.exec(n, "cd /opt/dscluster/runs/t-long/checkpoints && ls -d step*/COMPLETE "
                                     "| sed 's/step//; s,/COMPLETE,,'").stdout.split()) for n in cluster.names]
     saved = max(int(s) for s in set.intersection(*complete))
-    res = cluster.playbook("resume.yml", "-e", "run_id=t-long", "-e", "follow=true",
-                           "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={saved + 4}"]}))
+    none_active = cluster.playbook("stop.yml")
+    assert none_active.returncode != 0 and "No run is active on node1" in none_active.output \
+        and "t-long" in none_active.output, none_active.output[-2000:]
+    _a_stale_op_build_lock_fails_preflight_until_stop_removes_it(cluster)
+    more = ["-e", "run_id=t-long", "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={saved + 4}"]})]
+    res = cluster.playbook("resume.yml", "-e", "follow=true", *more)
     assert res.returncode == 0, res.output[-4000:]
+    finished = cluster.playbook("resume.yml", *more)
+    assert finished.returncode != 0 and "run_id 't-long' finished on node1" in finished.output \
+        and "force=true" in finished.output
     summary = json.loads(cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/summary.json").stdout)
     assert summary["start_step"] == saved and summary["steps"] == saved + 4
     log = cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/launcher.log").stdout
@@ -149,3 +159,33 @@ def test_a_users_own_ds_config_is_used_and_validated_by_deepspeed(provisioned, c
         assert got.pop("csv_monitor")["output_path"] == "/opt/dscluster/runs/dry-own-config/monitor/"
         assert got.pop("checkpoint") == {"use_node_local_storage": True}
         assert got == own
+
+
+def _a_dry_run_changes_nothing_outside_its_run_dir(cluster):
+    """With a run active: a dry run, even with replace=true, leaves it training and writes only its
+    own run dir (the active run's dir, logs, Ansible's own temp files and /proc-like trees aside)."""
+    for n in cluster.names:
+        cluster.exec(n, "touch /tmp/dry-marker && sleep 1")
+    dry = cluster.playbook("launch.yml", "-e", "run_id=t-dry", "-e", "dry_run=true", "-e", "replace=true")
+    assert dry.returncode == 0, dry.output[-3000:]
+    for n in cluster.names:
+        assert run_procs(cluster, n, "t-long"), f"the dry run stopped t-long on {n}"
+        changed = cluster.exec(n, "find / -xdev -newer /tmp/dry-marker -type f "
+                                  "-not -path '/proc/*' -not -path '/tmp/*' -not -path '/var/log/*' "
+                                  "-not -path '*/.ansible/tmp/*' -not -path '/opt/dscluster/runs/t-long/*' "
+                                  "-not -path '/opt/dscluster/runs/t-dry/*' -not -name '*.pyc'").stdout.split()
+        assert changed == [], f"{n}: a dry run wrote {changed}"
+        assert cluster.exec(n, "test -f /opt/dscluster/runs/t-dry/ds_config.json", check=False).returncode == 0
+
+
+def _a_stale_op_build_lock_fails_preflight_until_stop_removes_it(cluster):
+    """A rank killed mid-build leaves torch's lock: every later build on that node would wait for
+    it forever. The launch's preflight refuses, naming it; stop.yml removes it."""
+    worker, lock = cluster.names[1], "/opt/dscluster/cache/torch_extensions/killed_op/lock"
+    cluster.exec(worker, f"mkdir -p {lock.rsplit('/', 1)[0]} && touch -d '-10 min' {lock}", user="dstrain")
+    refused = cluster.playbook("resume.yml", "-e", "run_id=t-long")
+    assert refused.returncode != 0 and "stale op-build lock" in refused.output and lock in refused.output, \
+        refused.output[-3000:]
+    stop = cluster.playbook("stop.yml", "-e", "run_id=t-long")
+    assert stop.returncode == 0 and f"Removed stale op-build locks: {lock}" in stop.output, stop.output[-3000:]
+    assert cluster.exec(worker, f"test -e {lock}", check=False).returncode != 0
