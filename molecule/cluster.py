@@ -189,13 +189,14 @@ class Cluster:
         self.names = [h["name"] for h in info["hosts"]]
         self.master = self.names[0]
 
-    def playbook(self, name, *args, timeout=1800, env=None):
-        """ansible-playbook with the project's ansible.cfg against the cluster's inventory; the
-        result carries .recap ({host: counts}), .output and .seconds."""
+    def playbook(self, name, *args, timeout=1800, env=None, inventory=None):
+        """ansible-playbook with the project's ansible.cfg against the cluster's inventory (or
+        another view of the same nodes); the result carries .recap ({host: counts}), .output and
+        .seconds."""
         env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0",
                    PATH=f"{VENV_BIN}:{os.environ['PATH']}", **(env or {}))
         t0 = time.time()
-        r = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(self.inventory), name, *args],
+        r = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(inventory or self.inventory), name, *args],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         r.seconds = time.time() - t0
         r.recap = recap(r.stdout)

@@ -1282,6 +1282,9 @@ JSON_COMMANDS = {"check": check, "mesh": mesh, "listen": listen, "connect": conn
 
 
 def main(argv):
+    # What the toolkit writes on a node (run files, logs, checkpoints: every rank starts through
+    # this helper's entry shim) is the training user's and root's alone on a shared machine.
+    os.umask(0o027)
     try:
         return command(argv)
     except Blind as e:

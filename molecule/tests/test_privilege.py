@@ -2,6 +2,9 @@
 running as root may execute it. A .pth file planted in the env's site-packages by the training
 user runs with every interpreter start of that env; it records who ran it."""
 import json
+import shutil
+
+from cluster import wait
 
 PTH = "/opt/dscluster/env/lib/python3.11/site-packages/zz_who_runs_me.pth"
 SEEN = "/tmp/who-ran-the-env"
@@ -28,3 +31,46 @@ def test_root_never_runs_the_training_users_env(provisioned, cluster, tmp_path):
     finally:
         for n in cluster.names:
             cluster.exec(n, f"rm -f {PTH} {SEEN}", check=False)
+
+
+def test_a_non_root_ansible_user_with_sudo_runs_the_whole_cycle(provisioned, cluster, tmp_path):
+    """Ansible as an ordinary user with sudo (the example inventory's `ubuntu`): the second-launch
+    guard, status, stop and resume see the training user's processes, which that user may not
+    signal (EPERM is alive, not dead)."""
+    for n in cluster.names:
+        cluster.exec(n, "id ops >/dev/null 2>&1 || useradd -m -s /bin/bash ops; "
+                        "echo 'ops ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/ops && chmod 0440 /etc/sudoers.d/ops; "
+                        "install -d -m 0700 -o ops -g ops /home/ops/.ssh && "
+                        "install -m 0600 -o ops -g ops /root/.ssh/authorized_keys /home/ops/.ssh/authorized_keys; "
+                        "rm -rf /opt/dscluster/runs/ops-1")
+    inventory = tmp_path / "inventory"
+    shutil.copytree(cluster.inventory, inventory)
+    all_yml = inventory / "group_vars" / "all.yml"
+    all_yml.write_text(all_yml.read_text().replace("ansible_user: root", "ansible_user: ops"))
+
+    def play(name, *args):
+        return cluster.playbook(name, *args, inventory=inventory)
+    train = ["-e", json.dumps({"dsc_train_config": {"steps": 100000, "save_every": 10, "vocab_size": 512, "seq_len": 64}})]
+    try:
+        r = play("launch.yml", "-e", "run_id=ops-1", *train)
+        assert r.returncode == 0 and "ansible_user" not in r.output, r.output[-3000:]
+        wait(lambda: cluster.exec(cluster.master, "test -f /opt/dscluster/runs/ops-1/checkpoints/step10/COMPLETE",
+                                  check=False).returncode == 0, 300, "a checkpoint of ops-1")
+        second = play("launch.yml", "-e", "run_id=ops-2")
+        assert second.returncode != 0 and "run ops-1 is active" in second.output, second.output[-3000:]
+        status = play("status.yml")
+        for n in cluster.names:
+            assert f"{n}: running, ranks alive 1" in status.output, status.output[-3000:]
+        stop = play("stop.yml")
+        assert stop.returncode == 0, stop.output[-3000:]
+        for n in cluster.names:
+            assert f"{n}: stopped" in stop.output and cluster.rank_pids(n, "ops-1") == [], n
+        saved = max(set.intersection(*[
+            {int(d[4:]) for d in cluster.exec(n, "cd /opt/dscluster/runs/ops-1/checkpoints && ls -d step*/COMPLETE "
+                                                 "| cut -d/ -f1").stdout.split()} for n in cluster.names]))
+        resumed = play("resume.yml", "-e", "run_id=ops-1", "-e", "follow=true",
+                       "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={saved + 4}"]}))
+        assert resumed.returncode == 0 and "finished" in resumed.output, resumed.output[-3000:]
+        assert cluster.run_status("ops-1")["state"] == "finished"
+    finally:
+        play("stop.yml", "-e", "run_id=ops-1")

@@ -1,0 +1,197 @@
+"""The toolkit's ufw rules, and what to change so that they lead the node's rule list in order.
+
+    {{ dsc_plan.addrs | dsc_ufw_wanted(ssh_port, ssh_sources, first, last, control_addr) }}
+        -> the toolkit's rules, in order: IPv4 ones, then IPv6 ones
+    {{ wanted | dsc_ufw_changes(user_rules, user6_rules) }}
+        -> {delete: [...], insert: [...], replaced: [...]}
+
+ufw is first-match and keeps its rules in /etc/ufw/user.rules (IPv4) and user6.rules (IPv6), one
+`### tuple ###` line per rule; `ufw status numbered` and `ufw delete NUM` number the IPv4 rules
+first, then the IPv6 ones. Every rule here names its family (a source of 0.0.0.0/0 or ::/0 for
+"anywhere"): ufw places the IPv6 half of a rule given for both families by its own guess, which
+can land it after the site's rules. The toolkit's rules carry a comment starting with "dscluster";
+that is how stale ones (an old node address, port range or SSH source) are found.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+
+try:
+    from ansible.errors import AnsibleFilterError
+except ImportError:  # pure-Python unit tests
+    AnsibleFilterError = ValueError
+
+COMMENT_PREFIX = "dscluster"
+ANY = {"v4": "0.0.0.0/0", "v6": "::/0"}
+_TUPLE = re.compile(r"^### tuple ###\s*(.*)$")
+
+
+def address(text, what="address"):
+    """(family, text as ufw writes it) for an address or CIDR: a host network as a plain address,
+    host bits cleared, IPv4-mapped IPv6 as IPv4, a zone (%eth0) dropped."""
+    raw = str(text).strip().split("%")[0]
+    try:
+        net = ipaddress.ip_network(raw, strict=False)
+    except ValueError:
+        raise AnsibleFilterError(f"{what} {text!r} is not an IP address or CIDR. Fix: an address "
+                                 f"such as 192.0.2.10 or 2001:db8::10, a network such as "
+                                 f"192.0.2.0/24, or 'any'.")
+    if net.version == 6 and net.prefixlen == 128 and net.network_address.ipv4_mapped:
+        net = ipaddress.ip_network(net.network_address.ipv4_mapped)
+    family = "v4" if net.version == 4 else "v6"
+    if net.prefixlen == net.max_prefixlen:
+        return family, str(net.network_address)
+    return family, str(net)
+
+
+def _rule(family, action, proto, port, src, comment):
+    """One single-family rule: what the ufw module is given and the tuple ufw writes for it."""
+    return {
+        "family": family, "rule": action, "proto": proto, "port": port, "from_ip": src,
+        "comment": comment,
+        "tuple": " ".join([action, proto, port or "any", ANY[family], "any", src, "in"]),
+        "text": (f"{action} {port + '/' + proto if port else 'all'} from "
+                 f"{'anywhere' if src == ANY[family] else src} ({family}, {comment})"),
+    }
+
+
+def wanted(addrs, ssh_port, ssh_sources, port_first, port_last, control_addr="", ipv6=True):
+    """The toolkit's rules in first-match order, IPv4 ones then IPv6 ones: SSH on this node's port
+    from the sources ('any', addresses, CIDRs), the control node (as the node sees it) and every
+    cluster address; everything from the cluster's addresses; the master port range denied to
+    everyone else, over both families (IPv4 only where the node has no IPv6: ufw then has none)."""
+    if not isinstance(ssh_sources or [], (list, tuple)):
+        raise AnsibleFilterError(f"cluster_network_ssh_sources is {ssh_sources!r}. Fix: a list, "
+                                 f"e.g. [192.0.2.10] or [any].")
+    sources = list(ssh_sources or [])
+    opened = any(str(s).strip().lower() == "any" for s in sources)
+    ssh, node = [], []
+    if opened:
+        ssh += [("v4", ANY["v4"]), ("v6", ANY["v6"])]
+    named = [s for s in sources if str(s).strip().lower() != "any"]
+    ssh += [address(s, "cluster_network_ssh_sources entry") for s in named]
+    if control_addr and not opened:
+        ssh.append(address(control_addr, "the control node's address (SSH_CLIENT)"))
+    for a in addrs or []:
+        fam_addr = address(a, "cluster address")
+        ssh.append(fam_addr)
+        node.append(fam_addr)
+    first, last = int(port_first), int(port_last)
+    ports = str(first) if first == last else f"{first}:{last}"
+    rules = []
+    for family in ("v4", "v6") if ipv6 else ("v4",):
+        rules += [_rule(family, "allow", "tcp", str(int(ssh_port)), src, "dscluster ssh")
+                  for fam, src in ssh if fam == family]
+        rules += [_rule(family, "allow", "any", None, src, "dscluster node")
+                  for fam, src in node if fam == family]
+        rules.append(_rule(family, "deny", "tcp", ports, ANY[family], "dscluster master ports"))
+    seen, out = set(), []
+    for r in rules:
+        if r["tuple"] not in seen:
+            seen.add(r["tuple"])
+            out.append(r)
+    return out
+
+
+def parse(text, family):
+    """The rules of one user rules file, in ufw's order: {family, tuple, comment, match, app}."""
+    out = []
+    for line in (text or "").splitlines():
+        m = _TUPLE.match(line.strip())
+        if not m:
+            continue
+        body, _, hexed = m.group(1).partition(" comment=")
+        try:
+            comment = bytes.fromhex(hexed.strip()).decode("utf-8", "replace")
+        except ValueError:
+            comment = hexed.strip()
+        fields = body.split()
+        if not 6 <= len(fields) <= 9:
+            continue  # ufw skips it too (malformed)
+        if len(fields) in (6, 8):  # the old formats, without a direction: inbound
+            fields.append("in")
+        # action proto dport dst sport src [dapp sapp] direction (or in_eth0, in_eth0!out_eth1)
+        proto, dport, dst, sport, src = fields[1:6]
+        dapp, sapp = ("" if f == "-" else f for f in fields[6:8]) if len(fields) == 9 else ("", "")
+        direction = fields[-1]
+        out.append({
+            "family": family, "tuple": " ".join(fields), "comment": comment,
+            # What ufw compares to call two rules the same (all but action, logging and comment).
+            "match": (fields[0].startswith("route:"), proto, dport, dst, sport, src, dapp, sapp,
+                      direction),
+            # An application rule may be several tuples, numbered as one.
+            "app": " ".join([dapp or dport, dst, sapp or sport, src, direction]) if dapp or sapp else "",
+        })
+    return out
+
+
+def _numbered(rules):
+    """Rules as `ufw status numbered` counts them: an application rule's several tuples are one."""
+    groups, seen = [], set()
+    for r in rules:
+        if r["app"]:
+            if r["app"] in seen:
+                continue
+            seen.add(r["app"])
+        groups.append(r)
+    return groups
+
+
+def _match_key(w):
+    return (False, w["proto"], w["port"] or "any", ANY[w["family"]], "any", w["from_ip"], "", "", "in")
+
+
+def _ours(r):
+    return r["comment"].startswith(COMMENT_PREFIX)
+
+
+def changes(wanted_rules, user_rules, user6_rules):
+    """What to do so that the wanted rules lead each family's list in order, nothing else of the
+    toolkit's remains, and the site's rules keep their order after them:
+    delete: [{number, text, why}], highest number first (each deletion shifts the later numbers);
+    insert: [wanted rule + {insert: number or None}], in order (None: append, the list has
+      nothing after the toolkit's rules);
+    replaced: the site's rules deleted because they match the same traffic as one of the
+      toolkit's (ufw keeps one rule per match: it would skip inserting the toolkit's).
+    Already in place: both lists empty."""
+    current = {"v4": _numbered(parse(user_rules, "v4")), "v6": _numbered(parse(user6_rules, "v6"))}
+    number = {"v4": 1, "v6": len(current["v4"]) + 1}
+    delete, insert, replaced, kept = [], [], [], {}
+    for family in ("v4", "v6"):
+        want = [w for w in wanted_rules if w["family"] == family]
+        have = current[family]
+        lead = 0
+        while (lead < len(want) and lead < len(have) and have[lead]["tuple"] == want[lead]["tuple"]
+               and have[lead]["comment"] == want[lead]["comment"]):
+            lead += 1
+        keys = {_match_key(w) for w in want}
+        wanted_tuples = {(w["tuple"], w["comment"]) for w in want}
+        site = 0
+        for i, r in enumerate(have[lead:], start=lead):
+            text = f"[{number[family] + i}] {r['tuple']} ({family})" + (f" # {r['comment']}" if r["comment"] else "")
+            if _ours(r):
+                why = "out of order" if (r["tuple"], r["comment"]) in wanted_tuples else "stale"
+            elif r["match"] in keys:
+                why = "same match as the toolkit's rule"
+                replaced.append(text)
+            else:
+                site += 1
+                continue
+            delete.append({"number": number[family] + i, "text": text, "why": why})
+        kept[family] = (lead, site, want)
+    n4 = len(kept["v4"][2]) + kept["v4"][1]
+    for family, base in (("v4", 0), ("v6", n4)):
+        lead, site, want = kept[family]
+        for k, w in enumerate(want[lead:]):
+            insert.append(dict(w, insert=(base + lead + 1 + k) if site else None))
+    delete.sort(key=lambda d: d["number"], reverse=True)
+    return {"delete": delete, "insert": insert, "replaced": replaced}
+
+
+class FilterModule:
+    def filters(self):
+        return {
+            "dsc_ufw_wanted": wanted,
+            "dsc_ufw_changes": changes,
+        }
