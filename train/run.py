@@ -188,9 +188,10 @@ def main(argv=None) -> int:
     batches = Batches(cfg, tokens, mb, ga, world, rank)
     peak = peak_flops(device)
     tokens_per_step = mb * ga * world * cfg.seq_len
-    metrics = (run_dir / "metrics.jsonl").open("a") if rank == 0 else None
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = (run_dir / "metrics.jsonl").open("a") if rank == 0 else None
+    if rank == 0:
         print(json.dumps({"event": "start", "rank0_host": os.uname().nodename, "world": world,
                           "precision": precision, "zero_stage": stage, "offload": offload,
                           "params": n_params,
