@@ -406,7 +406,16 @@ def probe(argv):
     return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "gpus": gpus(),
             "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
             "runs": runs(run_root) if run_root else [],
+            "run_root_links": links(run_root) if run_root else [],
             "helper_sha256": sha256(INSTALLED_PATH)}
+
+
+def links(run_root):
+    """The names of symbolic links in the run root (never run directories)."""
+    try:
+        return sorted(e.name for e in os.scandir(run_root) if e.is_symlink())[:1000]
+    except OSError:
+        return []
 
 
 # Every installed distribution's version (preflight compares them between nodes), by name.
@@ -512,6 +521,7 @@ def check(a):
         "data_readable": (run(["test", "-r", a["data_dir"], "-a", "-x", a["data_dir"]],
                               user=a.get("train_user"))[0] == 0) if a.get("data_dir") else None,
         "jit_locks": jit_locks_as(a.get("ext_dir"), a.get("train_user")),
+        "helper_owners": owners([INSTALLED_PATH, os.path.dirname(INSTALLED_PATH)]),
     }
     if a.get("master"):
         out["port"] = {"wanted": a["port_first"], "wanted_free": port_free(a["port_first"]),
@@ -558,6 +568,20 @@ def jit_locks(ext_dir, min_age_s=60.0, now=None):
         where = str(lock.parent)
         busy = unknown or any(c == where or c.startswith(where + "/") for c in cwds)
         out.append({"path": str(lock), "age_s": round(age, 1), "stale": age >= min_age_s and not busy})
+    return out
+
+
+def owners(paths):
+    """Each path's owner uid and mode: what root runs must be root's alone (not group- or
+    world-writable), else whoever can write it runs code as root."""
+    out = {}
+    for path in paths:
+        try:
+            st = os.lstat(path)
+            out[path] = {"uid": st.st_uid, "mode": oct(st.st_mode & 0o7777),
+                         "safe": st.st_uid == 0 and not st.st_mode & 0o022 and not os.path.islink(path)}
+        except OSError as e:
+            out[path] = {"error": e.strerror, "safe": False}
     return out
 
 
@@ -1087,6 +1111,9 @@ def write_run(run_dir, spec, resume=False):
     """The run's files and code, written by the training user on every node. A new run never
     lands in a directory that a run already used (metrics and checkpoints would mix)."""
     run = RunDir(run_dir)
+    planted = [str(p) for p in (Path(run_dir), run / RunDir.CODE) if p.is_symlink()]
+    if planted:  # the plan refuses this too; a link made since is caught here
+        return {"ok": False, "error": f"refused: {planted[0]} is a symbolic link, not a directory"}
     if not resume and (run / RunDir.LOG).exists():
         return {"ok": False, "error": f"{run_dir} already holds a run"}
     (run / RunDir.CODE).mkdir(parents=True, exist_ok=True)

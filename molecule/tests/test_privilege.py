@@ -10,11 +10,22 @@ PTH = "/opt/dscluster/env/lib/python3.11/site-packages/zz_who_runs_me.pth"
 SEEN = "/tmp/who-ran-the-env"
 
 
+# The env's console scripts, each swapped by the training user for one that records who runs it.
+SWAPPED = "deepspeed ds_report pip ninja"
+BIN = "/opt/dscluster/env/bin"
+ROOT_OWNED = "/usr/local/lib/dscluster /usr/local/lib/dscluster/dsc_node.py /srv/victim /etc/ssh"
+
+
 def test_root_never_runs_the_training_users_env(provisioned, cluster, tmp_path):
+    owners = {}
     for n in cluster.names:
-        cluster.exec(n, f"rm -f {SEEN}; touch {SEEN}; chmod 666 {SEEN}")
+        cluster.exec(n, f"rm -f {SEEN}; touch {SEEN}; chmod 666 {SEEN}; install -d -m 0755 /srv/victim")
         cluster.exec(n, f"echo \"import os; open('{SEEN}', 'a').write(str(os.getuid()) + chr(10))\" > {PTH}",
                      user="dstrain")
+        cluster.exec(n, f"cd {BIN} && for f in {SWAPPED}; do test -e $f.real || mv $f $f.real; "
+                        f"printf '#!/bin/sh\\nid -u >> {SEEN}\\nexec \\"$0.real\\" \\"$@\\"\\n' > $f; chmod 755 $f; done",
+                     user="dstrain")
+        owners[n] = cluster.exec(n, f"stat -c '%n %U %a' {ROOT_OWNED}").stdout
     try:
         for playbook, args in [("provision.yml", []),
                                ("preflight.yml", ["-e", f"preflight_report_dir={tmp_path}", "-e", "preflight_full=false"]),
@@ -24,13 +35,32 @@ def test_root_never_runs_the_training_users_env(provisioned, cluster, tmp_path):
                                ("stop.yml", ["-e", "run_id=priv-1"])]:
             r = cluster.playbook(playbook, *args)
             assert r.returncode == 0, (playbook, r.output[-3000:])
+        _a_link_at_the_next_default_run_id_is_refused(cluster)
         for n in cluster.names:
             uids = cluster.exec(n, f"cat {SEEN}").stdout.split()
-            assert uids, f"{n}: the planted .pth never ran (the test proves nothing)"
+            assert uids, f"{n}: the planted .pth and scripts never ran (the test proves nothing)"
             assert "0" not in uids, f"{n}: root ran the training user's env: {uids}"
+            assert cluster.exec(n, f"stat -c '%n %U %a' {ROOT_OWNED}").stdout == owners[n]
+            assert cluster.exec(n, "ls -A /srv/victim").stdout == "", f"{n}: a run wrote into /srv/victim"
     finally:
         for n in cluster.names:
-            cluster.exec(n, f"rm -f {PTH} {SEEN}", check=False)
+            cluster.exec(n, f"rm -f {PTH} {SEEN}; cd {BIN} && for f in {SWAPPED}; do "
+                            f"test -e $f.real && mv -f $f.real $f; done; true", check=False)
+
+
+def _a_link_at_the_next_default_run_id_is_refused(cluster):
+    """The training user plants a link at every default run id of the next minutes (the ids are
+    <preset>-<UTC time>): the launch is refused before any node changes."""
+    plant = ("now=$(date -u +%s); for k in $(seq 0 300); do "
+             "ln -sfn /srv/victim /opt/dscluster/runs/zero2-$(date -u -d @$((now + k)) +%Y%m%d-%H%M%S); done")
+    for n in cluster.names:
+        cluster.exec(n, plant, user="dstrain")
+    try:
+        r = cluster.playbook("launch.yml", "-e", "preset=zero2")
+        assert r.returncode != 0 and "is a symbolic link, not a run directory" in r.output, r.output[-3000:]
+    finally:
+        for n in cluster.names:
+            cluster.exec(n, "find /opt/dscluster/runs -maxdepth 1 -type l -name 'zero2-*' -delete")
 
 
 def test_a_non_root_ansible_user_with_sudo_runs_the_whole_cycle(provisioned, cluster, tmp_path):

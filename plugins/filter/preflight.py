@@ -58,6 +58,17 @@ def interface_verdict(node, addr, interfaces, configured):
             "set dsc_addr to an address of this node, or add that address to an interface")
 
 
+def owner_verdict(owners):
+    """(status, detail, fix): the node helper root runs, and its directory, must be root's alone."""
+    bad = {p: o for p, o in owners.items() if not o.get("safe")}
+    if bad:
+        path, o = next(iter(bad.items()))
+        why = o.get("error") or f"owner uid {o['uid']}, mode {o['mode']}"
+        return ("FAIL", f"{path}: {why}; root runs the node helper, so whoever can write it runs code as root",
+                "re-run provision.yml (it installs the helper root-owned, 0755), and find who changed it")
+    return ("PASS", "the node helper and its directory are root's, not writable by others", "")
+
+
 def lock_verdict(node, locks):
     """(status, detail, fix) for torch's op-build locks on a node (the node helper's jit_locks)."""
     stale = [x for x in locks if x.get("stale")]
@@ -194,6 +205,7 @@ def preflight_rows(hostvars, cluster, settings):
                          f"want {need} GiB)", "free space there, or point dsc_run_root at a larger disk"))
     for n in ok:
         rows.append(_row("op build locks", n, *lock_verdict(n, probe[n].get("jit_locks") or [])))
+        rows.append(_row("helper owner", n, *owner_verdict(probe[n].get("helper_owners") or {})))
     port = probe.get(master, {}).get("port")
     if port:
         first, last = settings["port_first"], settings["port_last"]

@@ -481,6 +481,8 @@ def _nodes(names, hostvars, defaults, probes, problems):
             "infiniband": bool(probe.get("infiniband")), "reachable": reachable,
             # The node helper installed there is this repository's (else launch installs it).
             "helper_sha256": probe.get("helper_sha256"),
+            # Symbolic links in the run root: never a run directory (see _refused_starts).
+            "run_root_links": list(probe.get("run_root_links") or []),
         })
     return nodes
 
@@ -837,6 +839,12 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
     """An active run (unless replace), a resume of an unknown run, a new run in a used directory."""
     seen = {r["id"]: r for r in runs_seen}
     active = [r["id"] for r in runs_seen if r.get("active")]
+    for node in plan.get("nodes") or []:
+        if run_id in node.get("run_root_links", ()):
+            problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} on {node['name']} is a "
+                         f"symbolic link, not a run directory (a run's files would be written "
+                         f"wherever it points). Fix: remove the link (check who planted it), or "
+                         f"launch with another run_id.")
     if refuse_active and active and active[0] != run_id and not as_bool(opt["replace"]) \
             and not as_bool(opt["dry_run"]):
         problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "

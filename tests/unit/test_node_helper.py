@@ -436,3 +436,13 @@ def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_dir
         builder.kill()
         builder.wait()
     assert dsc_node.jit_locks(tmp_path / "none") == []
+
+
+def test_write_run_refuses_a_run_directory_that_is_a_symbolic_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r1").symlink_to(victim)
+    out = dsc_node.write_run(str(tmp_path / "runs" / "r1"), {"files": {"hostfile": "x"}})
+    assert out["ok"] is False and "is a symbolic link" in out["error"] and list(victim.iterdir()) == []
+    assert dsc_node.links(tmp_path / "runs") == ["r1"]

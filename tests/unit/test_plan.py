@@ -630,3 +630,12 @@ def test_plot_runs_must_be_runs_on_the_master():
     assert plan(runs=runs)[0]["plot_runs"] == ["zero2-a"]  # the newest, as status.yml picks
     p, errors = plan(options={"plot_runs": ["../x"]}, runs=runs)
     assert any("plot_runs: no run '../x'" in e and "zero2-a" in e for e in errors), errors
+
+
+def test_a_run_id_whose_directory_is_a_symbolic_link_on_any_node_is_refused():
+    hostvars, groups, probes = cluster(2)
+    probes["node2"]["run_root_links"] = ["zero2-20261130-000000"]  # planted at the next default id
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, now="20261130-000000",
+                                   full_run=True)
+    assert any("run_id 'zero2-20261130-000000': /opt/dscluster/runs/zero2-20261130-000000 on node2 is a "
+               "symbolic link" in e and "another run_id" in e for e in errors), errors

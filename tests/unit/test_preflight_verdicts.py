@@ -79,3 +79,21 @@ def test_a_stale_op_build_lock_fails_preflight_and_names_the_fix():
     assert "stop.yml" in fix
     assert preflight.lock_verdict("node2", [dict(stale, stale=False)])[0] == "PASS"
     assert preflight.lock_verdict("node2", [])[:2] == ("PASS", "no stale op-build lock")
+
+
+def test_a_node_helper_others_can_write_fails_preflight():
+    safe = {"uid": 0, "mode": "0o755", "safe": True}
+    assert preflight.owner_verdict({"/usr/local/lib/dscluster/dsc_node.py": safe})[0] == "PASS"
+    status, detail, fix = preflight.owner_verdict(
+        {"/usr/local/lib/dscluster/dsc_node.py": {"uid": 1000, "mode": "0o755", "safe": False}})
+    assert status == "FAIL" and "owner uid 1000" in detail and "provision.yml" in fix
+
+
+def test_owners_reads_uid_and_mode(tmp_path):
+    import dsc_node
+    f = tmp_path / "helper"
+    f.write_text("")
+    f.chmod(0o777)
+    got = dsc_node.owners([str(f), str(tmp_path / "missing")])
+    assert got[str(f)]["mode"] == "0o777" and got[str(f)]["safe"] is False
+    assert got[str(tmp_path / "missing")]["safe"] is False

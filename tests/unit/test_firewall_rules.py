@@ -1,0 +1,199 @@
+"""The toolkit's ufw rules (plugins/filter/firewall.py): which rules, in which order, and what to
+delete and insert so that they lead the node's list, from ufw's own rules files. The tuples below
+are as ufw 0.36 (Debian 12) writes them."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("firewall_filters", ROOT / "plugins" / "filter" / "firewall.py")
+fw = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fw)
+
+ADDRS = ["10.89.77.11", "10.89.77.12"]
+HEX = {c: c.encode().hex() for c in ("dscluster ssh", "dscluster node", "dscluster master ports")}
+
+
+def want(**kw):
+    args = dict(addrs=ADDRS, ssh_port=22, ssh_sources=[], port_first=29500, port_last=29510,
+                control_addr="10.89.77.1")
+    args.update(kw)
+    return fw.wanted(**args)
+
+
+def files(rules):
+    """user.rules and user6.rules text from the wanted rules (as ufw would have written them),
+    with the site's tuples put before (head) or after (tail) them."""
+    def text(family, head=(), tail=()):
+        own = [f"### tuple ### {r['tuple']} comment={r['comment'].encode().hex()}"
+               for r in rules if r["family"] == family]
+        return "\n".join(["*filter", "### RULES ###", "", *head, *own, *tail, "", "### END RULES ###"])
+    return text
+
+
+def test_the_documented_order_ssh_then_cluster_then_the_deny_per_family():
+    rules = want()
+    assert [r["text"] for r in rules] == [
+        "allow 22/tcp from 10.89.77.1 (v4, dscluster ssh)",
+        "allow 22/tcp from 10.89.77.11 (v4, dscluster ssh)",
+        "allow 22/tcp from 10.89.77.12 (v4, dscluster ssh)",
+        "allow all from 10.89.77.11 (v4, dscluster node)",
+        "allow all from 10.89.77.12 (v4, dscluster node)",
+        "deny 29500:29510/tcp from anywhere (v4, dscluster master ports)",
+        "deny 29500:29510/tcp from anywhere (v6, dscluster master ports)",
+    ]
+    # As ufw writes them: the deny has its IPv6 half, the IPv4 addresses stay IPv4-only.
+    assert rules[-2]["tuple"] == "deny tcp 29500:29510 0.0.0.0/0 any 0.0.0.0/0 in"
+    assert rules[-1]["tuple"] == "deny tcp 29500:29510 ::/0 any ::/0 in"
+    assert rules[3]["tuple"] == "allow any any 0.0.0.0/0 any 10.89.77.11 in"
+
+
+def test_any_only_when_asked_and_then_over_both_families():
+    assert not any(r["from_ip"] in ("0.0.0.0/0", "::/0") and r["port"] == "22" for r in want())
+    rules = want(ssh_sources=["any"])
+    ssh = [r for r in rules if r["comment"] == "dscluster ssh"]
+    assert [(r["family"], r["from_ip"]) for r in ssh] == [
+        ("v4", "0.0.0.0/0"), ("v4", "10.89.77.11"), ("v4", "10.89.77.12"), ("v6", "::/0")]
+    # [any] already covers the control node: no rule of its own.
+    assert not any(r["from_ip"] == "10.89.77.1" for r in rules)
+
+
+def test_a_local_connection_has_only_the_cluster_and_the_listed_sources():
+    rules = want(control_addr="", ssh_sources=["192.0.2.0/24"])
+    assert [r["from_ip"] for r in rules if r["comment"] == "dscluster ssh"] == [
+        "192.0.2.0/24", "10.89.77.11", "10.89.77.12"]
+
+
+@pytest.mark.parametrize("given,family,written", [
+    ("10.0.0.5/32", "v4", "10.0.0.5"),
+    ("10.0.0.5/8", "v4", "10.0.0.0/8"),
+    ("FD89:0077:0::11", "v6", "fd89:77::11"),
+    ("fd89:77::5/64", "v6", "fd89:77::/64"),
+    ("2001:db8:0:0:1:0:0:1", "v6", "2001:db8::1:0:0:1"),
+    ("::ffff:10.0.0.5", "v4", "10.0.0.5"),       # sshd's SSH_CLIENT on a dual-stack socket
+    ("fe80::1%eth0", "v6", "fe80::1"),
+])
+def test_addresses_are_written_as_ufw_writes_them(given, family, written):
+    assert fw.address(given) == (family, written)
+
+
+def test_a_bad_source_is_refused_with_a_fix():
+    with pytest.raises(Exception, match="not an IP address or CIDR. Fix"):
+        want(ssh_sources=["bastion.example.com"])
+    with pytest.raises(Exception, match="a list"):
+        want(ssh_sources="any")
+
+
+def test_ipv6_cluster_addresses_and_a_node_without_ipv6():
+    rules = want(addrs=["10.0.0.1", "fd00::2"], control_addr="fd00::1")
+    assert [(r["family"], r["comment"], r["from_ip"]) for r in rules if r["family"] == "v6"] == [
+        ("v6", "dscluster ssh", "fd00::1"), ("v6", "dscluster ssh", "fd00::2"),
+        ("v6", "dscluster node", "fd00::2"), ("v6", "dscluster master ports", "::/0")]
+    assert {r["family"] for r in want(ipv6=False)} == {"v4"}
+
+
+def test_a_single_master_port_and_duplicates_collapse():
+    rules = want(port_first=29500, port_last=29500, control_addr="10.89.77.11")
+    assert rules[-1]["port"] == "29500"
+    assert [r["from_ip"] for r in rules if r["comment"] == "dscluster ssh"] == ADDRS
+
+
+def test_a_fresh_node_gets_everything_appended():
+    rules = want()
+    ch = fw.changes(rules, "", "")
+    assert ch["delete"] == [] and ch["replaced"] == []
+    assert [r["text"] for r in ch["insert"]] == [r["text"] for r in rules]
+    assert all(r["insert"] is None for r in ch["insert"])
+
+
+def test_in_place_means_nothing_to_do():
+    rules = want()
+    text = files(rules)
+    site4 = ["### tuple ### allow tcp 80 0.0.0.0/0 any 0.0.0.0/0 in"]
+    site6 = ["### tuple ### allow tcp 80 ::/0 any ::/0 in"]
+    assert fw.changes(rules, text("v4", tail=site4), text("v6", tail=site6)) == {
+        "delete": [], "insert": [], "replaced": []}
+
+
+def test_an_active_sites_rules_first_the_toolkits_go_ahead_of_them():
+    """The site's `ufw insert 1 allow 29500:29510/tcp` and `allow from 10.0.0.0/8` ahead of the
+    toolkit's rules: the toolkit's are deleted (highest number first) and inserted at the top,
+    the site's allow on the master ports (the same match as the toolkit's deny) is replaced."""
+    rules = want()
+    text = files(rules)
+    site4 = ["### tuple ### allow tcp 29500:29510 0.0.0.0/0 any 0.0.0.0/0 in",
+             "### tuple ### allow any any 0.0.0.0/0 any 10.0.0.0/8 in"]
+    site6 = ["### tuple ### allow tcp 29500:29510 ::/0 any ::/0 in"]
+    ch = fw.changes(rules, text("v4", head=site4), text("v6", head=site6))
+    # ufw status numbered: [1] site 29500, [2] site 10/8, [3..8] the toolkit's v4, [9] site v6
+    # 29500, [10] the toolkit's v6 deny.
+    assert [d["number"] for d in ch["delete"]] == [10, 9, 8, 7, 6, 5, 4, 3, 1]
+    assert [d["why"] for d in ch["delete"]][:2] == ["out of order", "same match as the toolkit's rule"]
+    assert ch["replaced"] == ["[1] allow tcp 29500:29510 0.0.0.0/0 any 0.0.0.0/0 in (v4)",
+                              "[9] allow tcp 29500:29510 ::/0 any ::/0 in (v6)"]
+    # Left: the site's 10/8 rule (v4) and no v6 rule: the v4 rules go to 1..6 ahead of it, the v6
+    # deny is appended (numbers past the end are refused by ufw).
+    assert [r["insert"] for r in ch["insert"]] == [1, 2, 3, 4, 5, 6, None]
+
+
+def test_the_site_keeps_its_order_and_v6_inserts_count_after_the_v4_rules():
+    rules = want()
+    site4 = ["### tuple ### allow any any 0.0.0.0/0 any 10.0.0.0/8 in",
+             "### tuple ### allow tcp 80 0.0.0.0/0 any 0.0.0.0/0 in"]
+    site6 = ["### tuple ### allow tcp 80 ::/0 any ::/0 in"]
+    ch = fw.changes(rules, "\n".join(site4), "\n".join(site6))
+    assert ch["delete"] == []
+    # v4: 6 rules ahead of the site's 2; v6: after those 8, the deny ahead of the site's one.
+    assert [r["insert"] for r in ch["insert"]] == [1, 2, 3, 4, 5, 6, 9]
+
+
+def test_stale_rules_of_the_toolkit_go_and_the_sites_stay():
+    old = want(addrs=ADDRS + ["10.89.77.13"], port_first=29400, port_last=29410, control_addr="10.89.77.9")
+    rules = want()
+    site = "### tuple ### allow tcp 443 0.0.0.0/0 any 0.0.0.0/0 in comment=" + "site https".encode().hex()
+    ch = fw.changes(rules, files(old)("v4", tail=[site]), files(old)("v6"))
+    gone = {d["text"].split("] ", 1)[1] for d in ch["delete"] if d["why"] == "stale"}
+    assert "allow tcp 22 0.0.0.0/0 any 10.89.77.9 in (v4) # dscluster ssh" in gone
+    assert "allow any any 0.0.0.0/0 any 10.89.77.13 in (v4) # dscluster node" in gone
+    assert "deny tcp 29400:29410 ::/0 any ::/0 in (v6) # dscluster master ports" in gone
+    assert not any("443" in d["text"] for d in ch["delete"])
+    numbers = [d["number"] for d in ch["delete"]]
+    assert numbers == sorted(numbers, reverse=True) and len(set(numbers)) == len(numbers)
+
+
+def test_a_stale_node_rule_alone_is_deleted_and_nothing_inserted():
+    rules = want()
+    extra = "### tuple ### allow any any 0.0.0.0/0 any 10.89.77.99 in comment=" + HEX["dscluster node"]
+    ch = fw.changes(rules, files(rules)("v4", tail=[extra]), files(rules)("v6"))
+    assert ch["insert"] == []
+    assert [(d["number"], d["why"]) for d in ch["delete"]] == [(len([r for r in rules if r["family"] == "v4"]) + 1, "stale")]
+
+
+def test_the_old_toolkit_appended_after_the_site_is_moved_ahead():
+    """What the toolkit did before: the same rules (the both-families ones are these two tuples),
+    appended after an active site's."""
+    rules = want(control_addr="")
+    site4 = ["### tuple ### allow any any 0.0.0.0/0 any 10.0.0.0/8 in"]
+    ch = fw.changes(rules, files(rules)("v4", head=site4), files(rules)("v6"))
+    assert all(d["why"] == "out of order" for d in ch["delete"])
+    # The v4 ones ahead of the site's; the v6 deny (no site rule there) is already first.
+    assert [r["insert"] for r in ch["insert"]] == [1, 2, 3, 4, 5]
+
+
+def test_a_comment_differing_from_the_toolkits_is_rewritten():
+    rules = want()
+    site = ["### tuple ### allow any any 0.0.0.0/0 any 10.89.77.11 in comment=" + "site".encode().hex()]
+    ch = fw.changes(rules, "\n".join(site), "")
+    assert ch["replaced"] == ["[1] allow any any 0.0.0.0/0 any 10.89.77.11 in (v4) # site"]
+
+
+def test_application_rules_are_numbered_once():
+    """ufw numbers an application rule's tuples as one rule (`ufw status numbered`, `delete NUM`)."""
+    rules = want()
+    app = ["### tuple ### allow tcp 80,443 0.0.0.0/0 any 0.0.0.0/0 WWW%20Full - in",
+           "### tuple ### allow udp 443 0.0.0.0/0 any 0.0.0.0/0 WWW%20Full - in"]
+    stale = "### tuple ### allow any any 0.0.0.0/0 any 10.89.77.99 in comment=" + HEX["dscluster node"]
+    ch = fw.changes(rules, files(rules)("v4", tail=app + [stale]), files(rules)("v6"))
+    n4 = len([r for r in rules if r["family"] == "v4"])
+    assert [d["number"] for d in ch["delete"]] == [n4 + 2]
