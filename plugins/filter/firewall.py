@@ -149,42 +149,53 @@ def _ours(r):
 def changes(wanted_rules, user_rules, user6_rules):
     """What to do so that the wanted rules lead each family's list in order, nothing else of the
     toolkit's remains, and the site's rules keep their order after them:
-    delete: [{number, text, why}], highest number first (each deletion shifts the later numbers);
-    insert: [wanted rule + {insert: number or None}], in order (None: append, the list has
-      nothing after the toolkit's rules);
-    replaced: the site's rules deleted because they match the same traffic as one of the
-      toolkit's (ufw keeps one rule per match: it would skip inserting the toolkit's).
-    Already in place: both lists empty."""
+    delete: [{number, text, why}], highest number first (each deletion renumbers the later ones);
+      the toolkit's rules no longer wanted (stale), those not in the leading block in order (out
+      of order), and the site's rules with the same match as one of the toolkit's;
+    insert: [wanted rule + {insert: number or None}], in order; the number is the rule's place in
+      ufw's numbering once the earlier ones are in (IPv4 rules first, then IPv6 ones), None where
+      nothing would follow it (append: ufw refuses a number past the end);
+    replaced: the site's rules among the deleted (ufw keeps one rule per match, all but action
+      and comment, and skips inserting the toolkit's while the site's is there).
+    Already in place: both lists empty. Rules already leading in the wanted order are kept, so
+    a new or removed address changes only its own rules."""
     current = {"v4": _numbered(parse(user_rules, "v4")), "v6": _numbered(parse(user6_rules, "v6"))}
-    number = {"v4": 1, "v6": len(current["v4"]) + 1}
-    delete, insert, replaced, kept = [], [], [], {}
+    first = {"v4": 1, "v6": len(current["v4"]) + 1}
+    delete, insert, replaced, plans = [], [], [], {}
     for family in ("v4", "v6"):
         want = [w for w in wanted_rules if w["family"] == family]
-        have = current[family]
-        lead = 0
-        while (lead < len(want) and lead < len(have) and have[lead]["tuple"] == want[lead]["tuple"]
-               and have[lead]["comment"] == want[lead]["comment"]):
-            lead += 1
+        index = {(w["tuple"], w["comment"]): j for j, w in enumerate(want)}
         keys = {_match_key(w) for w in want}
-        wanted_tuples = {(w["tuple"], w["comment"]) for w in want}
-        site = 0
-        for i, r in enumerate(have[lead:], start=lead):
-            text = f"[{number[family] + i}] {r['tuple']} ({family})" + (f" # {r['comment']}" if r["comment"] else "")
-            if _ours(r):
-                why = "out of order" if (r["tuple"], r["comment"]) in wanted_tuples else "stale"
+        kept, site, last, leading = set(), 0, -1, True
+        for i, r in enumerate(current[family]):
+            number = first[family] + i
+            text = f"[{number}] {r['tuple']} ({family})" + (f" # {r['comment']}" if r["comment"] else "")
+            j = index.get((r["tuple"], r["comment"]))
+            if j is not None and leading and j > last:
+                kept.add(j)
+                last = j
+                continue
+            if j is not None:
+                why = "out of order"
+            elif _ours(r):
+                why = "stale"
             elif r["match"] in keys:
                 why = "same match as the toolkit's rule"
                 replaced.append(text)
             else:
                 site += 1
+                leading = False
                 continue
-            delete.append({"number": number[family] + i, "text": text, "why": why})
-        kept[family] = (lead, site, want)
-    n4 = len(kept["v4"][2]) + kept["v4"][1]
+            delete.append({"number": number, "text": text, "why": why})
+        plans[family] = (want, kept, site)
+    n4 = len(plans["v4"][0]) + plans["v4"][2]
     for family, base in (("v4", 0), ("v6", n4)):
-        lead, site, want = kept[family]
-        for k, w in enumerate(want[lead:]):
-            insert.append(dict(w, insert=(base + lead + 1 + k) if site else None))
+        want, kept, site = plans[family]
+        for j, w in enumerate(want):
+            if j in kept:
+                continue
+            follows = site > 0 or any(k > j for k in kept)
+            insert.append(dict(w, insert=base + j + 1 if follows else None))
     delete.sort(key=lambda d: d["number"], reverse=True)
     return {"delete": delete, "insert": insert, "replaced": replaced}
 

@@ -53,7 +53,7 @@ CLUSTER_SETTINGS = (
     "dsc_python_version", "dsc_torch_version", "dsc_torch_variant", "dsc_deepspeed_version",
     "dsc_train_user", "dsc_wheelhouse", "dsc_master_port", "dsc_master_port_last",
     "dsc_conda_env_name", "dsc_conda_installer_file", "dsc_conda_installer_sha256",
-    "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
+    "dsc_conda_accept_tos", "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
     "dsc_requirements", "dsc_requirements_file", "dsc_data_dir", "dsc_data_shared",
 )
@@ -252,11 +252,14 @@ def _check_settings(s, first, problems, check_dir):
     if s["dsc_torch_variant"] not in TORCH_INDEXES:
         problems.add(f"dsc_torch_variant {where} is {s['dsc_torch_variant']!r}. Fix: one of "
                      f"{', '.join(TORCH_INDEXES)}.")
-    if s["dsc_env_manager"] == "conda" and not s["dsc_conda_installer_file"] \
-            and not s["dsc_conda_installer_sha256"]:
-        problems.add(f"dsc_conda_installer_sha256 {where} is empty. Fix: set the sha256 of the "
-                     f"Miniconda installer named by dsc_conda_installer_url (published beside it "
-                     f"on repo.anaconda.com), or give dsc_conda_installer_file.")
+    sha = str(s["dsc_conda_installer_sha256"] or "")
+    if s["dsc_env_manager"] == "conda" and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
+        # Downloaded or pushed from the control node: an installer runs only when it is the one
+        # whose checksum the operator wrote down.
+        problems.add(f"dsc_conda_installer_sha256 {where} is {'empty' if not sha else repr(sha)}. "
+                     f"Fix: the installer's sha256 (64 hex digits, published beside it on "
+                     f"repo.anaconda.com), for a downloaded installer and for "
+                     f"dsc_conda_installer_file alike.")
     if s["dsc_env_manager"] == "existing":
         py = str(s["dsc_existing_python"] or "")
         if not posixpath.isabs(py):
@@ -1133,6 +1136,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "conda_env_name": str(s["dsc_conda_env_name"]),
         "conda_installer_file": str(s["dsc_conda_installer_file"] or ""),
         "conda_installer_sha256": str(s["dsc_conda_installer_sha256"] or ""),
+        "conda_accept_tos": as_bool(s["dsc_conda_accept_tos"]),
         "wheelhouse": wheelhouse, "node_wheelhouse": f"{install_root}/wheelhouse",
         # The cluster's own packages (dsc_requirements): torchvision/torchaudio with torch, from
         # its index; the rest with DeepSpeed. Both installs hold torch and DeepSpeed at their pins.

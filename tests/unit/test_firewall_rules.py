@@ -117,24 +117,52 @@ def test_in_place_means_nothing_to_do():
 
 
 def test_an_active_sites_rules_first_the_toolkits_go_ahead_of_them():
-    """The site's `ufw insert 1 allow 29500:29510/tcp` and `allow from 10.0.0.0/8` ahead of the
-    toolkit's rules: the toolkit's are deleted (highest number first) and inserted at the top,
-    the site's allow on the master ports (the same match as the toolkit's deny) is replaced."""
+    """On a provisioned node the site ran `ufw prepend allow from 10.0.0.0/8` (IPv4 only, ahead of
+    everything) and `ufw insert 1 allow 29500:29510/tcp`: ufw skipped the IPv4 half (the same
+    match as the toolkit's deny) and replaced the toolkit's IPv6 deny with the allow. The
+    toolkit's IPv4 rules are deleted (highest number first) and inserted ahead again, the site's
+    IPv6 allow is replaced by the deny."""
     rules = want()
     text = files(rules)
-    site4 = ["### tuple ### allow tcp 29500:29510 0.0.0.0/0 any 0.0.0.0/0 in",
-             "### tuple ### allow any any 0.0.0.0/0 any 10.0.0.0/8 in"]
+    site4 = ["### tuple ### allow any any 0.0.0.0/0 any 10.0.0.0/8 in"]
     site6 = ["### tuple ### allow tcp 29500:29510 ::/0 any ::/0 in"]
-    ch = fw.changes(rules, text("v4", head=site4), text("v6", head=site6))
-    # ufw status numbered: [1] site 29500, [2] site 10/8, [3..8] the toolkit's v4, [9] site v6
-    # 29500, [10] the toolkit's v6 deny.
-    assert [d["number"] for d in ch["delete"]] == [10, 9, 8, 7, 6, 5, 4, 3, 1]
-    assert [d["why"] for d in ch["delete"]][:2] == ["out of order", "same match as the toolkit's rule"]
-    assert ch["replaced"] == ["[1] allow tcp 29500:29510 0.0.0.0/0 any 0.0.0.0/0 in (v4)",
-                              "[9] allow tcp 29500:29510 ::/0 any ::/0 in (v6)"]
-    # Left: the site's 10/8 rule (v4) and no v6 rule: the v4 rules go to 1..6 ahead of it, the v6
-    # deny is appended (numbers past the end are refused by ufw).
+    v4 = text("v4", head=site4)
+    v6 = "\n".join(site6)
+    ch = fw.changes(rules, v4, v6)
+    # ufw status numbered: [1] the site's 10/8, [2..7] the toolkit's IPv4 rules, [8] the site's
+    # IPv6 allow.
+    assert [(d["number"], d["why"]) for d in ch["delete"]] == [
+        (8, "same match as the toolkit's rule")] + [(n, "out of order") for n in range(7, 1, -1)]
+    assert ch["replaced"] == ["[8] allow tcp 29500:29510 ::/0 any ::/0 in (v6)"]
+    # Then the IPv4 rules go to 1..6 ahead of the site's 10/8; the IPv6 deny, with nothing after
+    # it, is appended.
     assert [r["insert"] for r in ch["insert"]] == [1, 2, 3, 4, 5, 6, None]
+
+
+def test_a_sites_allow_that_replaced_the_deny_in_place_is_replaced_back():
+    """`ufw allow 29500:29510/tcp` (no insert) on a provisioned node updates the toolkit's deny in
+    place, both families: only that rule changes back."""
+    rules = want()
+    own4 = [f"### tuple ### {r['tuple']} comment={HEX[r['comment']]}" for r in rules
+            if r["family"] == "v4" and r["rule"] == "allow"]
+    v4 = "\n".join(own4 + ["### tuple ### allow tcp 29500:29510 0.0.0.0/0 any 0.0.0.0/0 in"])
+    v6 = "### tuple ### allow tcp 29500:29510 ::/0 any ::/0 in"
+    ch = fw.changes(rules, v4, v6)
+    assert [d["number"] for d in ch["delete"]] == [7, 6] and len(ch["replaced"]) == 2
+    assert [(r["text"], r["insert"]) for r in ch["insert"]] == [
+        ("deny 29500:29510/tcp from anywhere (v4, dscluster master ports)", None),
+        ("deny 29500:29510/tcp from anywhere (v6, dscluster master ports)", None)]
+
+
+def test_a_new_address_is_inserted_in_its_place_and_the_rest_stays():
+    old = want(addrs=ADDRS[:1])
+    rules = want()
+    ch = fw.changes(rules, files(old)("v4"), files(old)("v6"))
+    assert ch["delete"] == []
+    # ssh: control, .11, [.12 new at 3]; node: .11, [.12 new at 5]; deny kept.
+    assert [(r["text"], r["insert"]) for r in ch["insert"]] == [
+        ("allow 22/tcp from 10.89.77.12 (v4, dscluster ssh)", 3),
+        ("allow all from 10.89.77.12 (v4, dscluster node)", 5)]
 
 
 def test_the_site_keeps_its_order_and_v6_inserts_count_after_the_v4_rules():
@@ -160,6 +188,12 @@ def test_stale_rules_of_the_toolkit_go_and_the_sites_stay():
     assert not any("443" in d["text"] for d in ch["delete"])
     numbers = [d["number"] for d in ch["delete"]]
     assert numbers == sorted(numbers, reverse=True) and len(set(numbers)) == len(numbers)
+    # The rules still wanted stay where they are; the new ones go in around them.
+    assert {d["why"] for d in ch["delete"]} == {"stale"}
+    assert [(r["text"], r["insert"]) for r in ch["insert"]] == [
+        ("allow 22/tcp from 10.89.77.1 (v4, dscluster ssh)", 1),
+        ("deny 29500:29510/tcp from anywhere (v4, dscluster master ports)", 6),
+        ("deny 29500:29510/tcp from anywhere (v6, dscluster master ports)", None)]
 
 
 def test_a_stale_node_rule_alone_is_deleted_and_nothing_inserted():
