@@ -72,6 +72,7 @@ class RunDir:
     LOG = "launcher.log"          # DeepSpeed's launcher output (all nodes, through pdsh)
     CHILD = "launcher.child"      # the current attempt's launcher pid
     EXIT = "exit_code"            # written once, when the supervisor ends
+    EXIT_RESERVE = ".exit_code.reserve"  # its room, taken at the start (a full disk at the end)
     FAILURE = "failure.json"      # which node failed first, and how
     RESTARTS = "restarts"         # restarts so far
     RESTARTS_LOG = "restarts.log"
@@ -1002,7 +1003,11 @@ def write_atomic(path, text):
     """Readers (status, the playbooks) never see a half-written file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.rename(path)
 
 
@@ -1218,7 +1223,9 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    sys.stdout = sys.stderr = Unfailing(sys.stdout)  # the log on a full disk ends no supervisor
     write_pid(run / RunDir.PID, os.getpid())
+    reserve_exit(run)
     env = dict(os.environ, DSC_RUN_ID=run_id, DSC_RUN_DIR=str(run.path))
     restarts_file = run / RunDir.RESTARTS
     restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0
@@ -1227,21 +1234,23 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         # Where this attempt's output starts, taken before the spawn: its first failure line is
         # never missed, and status reads the latest attempt's error, not an earlier one's.
         offset = (run / RunDir.LOG).stat().st_size
-        write_atomic(run / RunDir.ATTEMPT, json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
+        (run / RunDir.FAILURE).unlink(missing_ok=True)  # the cause shown is this attempt's
+        best_effort(write_atomic, run / RunDir.ATTEMPT,
+                    json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
         child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
-        (run / RunDir.CHILD).write_text(str(child.pid))
+        best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall)
         if cause:
-            write_atomic(run / RunDir.FAILURE, json.dumps(dict(
+            best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
                 cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
         if code == 0 or (run / RunDir.STOPPED).exists() or restarts >= max_restarts:
             break
         restarts += 1
         wait = min(backoff * 2 ** (restarts - 1), 600.0)
-        restarts_file.write_text(f"{restarts}\n")
-        with open(run / RunDir.RESTARTS_LOG, "a") as f:
-            f.write(json.dumps({"restart": restarts, "time": time.time(), "after_exit_code": code,
-                                "cause": describe(cause) if cause else None, "backoff_s": wait}) + "\n")
+        best_effort(write_atomic, restarts_file, f"{restarts}\n")
+        best_effort(append_line, run / RunDir.RESTARTS_LOG, json.dumps(
+            {"restart": restarts, "time": time.time(), "after_exit_code": code,
+             "cause": describe(cause) if cause else None, "backoff_s": wait}))
         print(f"[dsc_node] restart {restarts}/{max_restarts} in {wait:.0f} s from the latest "
               f"complete checkpoint ({describe(cause) if cause else f'exit code {code}'})", flush=True)
         teardown(run_id, list(hosts))  # nothing of the failed attempt may linger anywhere
@@ -1250,10 +1259,64 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
             break
         resumes = list(resume_args) and list(cmd[-len(resume_args):]) == list(resume_args)
         attempt = list(cmd) + ([] if resumes else list(resume_args))
-    write_atomic(run / RunDir.EXIT, f"{code}\n")
+    record_exit(run, code)
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)
     os._exit(0)
+
+
+class Unfailing:
+    """A stream whose writes never raise (the supervisor's log on a full disk)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            return 0
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
+
+
+def best_effort(fn, *args, **kwargs):
+    """A supervisor's record that may fail on a full disk: the supervisor goes on (it still has
+    to tear down, restart and record the exit code)."""
+    try:
+        fn(*args, **kwargs)
+    except OSError:
+        pass
+
+
+def append_line(path, line):
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def reserve_exit(run):
+    """Room for the exit code, taken while the disk has it: record_exit overwrites this file in
+    place when a full disk refuses a new one."""
+    best_effort(write_atomic, run / RunDir.EXIT_RESERVE, " " * 32 + "\n")
+
+
+def record_exit(run, code):
+    """The run's exit code, always: a new file, else (disk full) the reserved one rewritten in
+    place and renamed (neither needs a free block)."""
+    try:
+        write_atomic(run / RunDir.EXIT, f"{code}\n")
+        (run / RunDir.EXIT_RESERVE).unlink(missing_ok=True)
+        return
+    except OSError:
+        pass
+    with open(run / RunDir.EXIT_RESERVE, "r+") as f:
+        f.write(f"{code}\n")
+        f.truncate()
+    os.replace(run / RunDir.EXIT_RESERVE, run / RunDir.EXIT)
 
 
 def node_states(run_dir, run_id, hosts, own_state):

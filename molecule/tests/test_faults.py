@@ -214,3 +214,49 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
         figures("auto restart", restarts=st["restarts"], resumed_from=summary["start_step"], steps=summary["steps"])
     finally:
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+
+
+SMALL = "/mnt/small/runs"  # a 16 MiB tmpfs on every node (molecule/cluster.py)
+
+
+def test_a_full_run_root_fails_the_run_with_its_reason_and_retention_keeps_n(provisioned, cluster, figures):
+    """Retention keeps the newest keep_checkpoints complete checkpoints on every node; a run root
+    that fills up fails the run before a save, with the reason, an exit code and its restarts."""
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {SMALL} && install -d -o dstrain -g dstrain {SMALL}")
+
+    def run(run_id, **train):
+        return cluster.playbook("launch.yml", "-e", f"run_id={run_id}", "-e", f"dsc_run_root={SMALL}",
+                                "-e", "follow=true", "-e", "max_restarts=1", "-e", "restart_backoff_s=1",
+                                "-e", json.dumps({"dsc_train_config": dict(TINY, **train)}))
+    try:
+        kept = run("small-keep", steps=40, save_every=5, keep_checkpoints=2)
+        assert kept.returncode == 0, kept.output[-4000:]
+        for n in cluster.names:
+            ls = cluster.exec(n, f"ls {SMALL}/small-keep/checkpoints").stdout.split()
+            assert sorted(d for d in ls if d.startswith("step")) == ["step35", "step40"], (n, ls)
+        full = run("small-full", steps=100000, save_every=2, keep_checkpoints=1000)
+        assert full.returncode != 0
+        st = cluster.run_status("small-full", root=SMALL)
+        assert st["state"] == "failed" and st["exit_code"] not in (None, "0") and st["restarts"] == 1, st
+        assert "needs" in st["first_error"] and "GiB free" in st["first_error"] and "Fix:" in st["first_error"], st
+        figures("full run root", first_error=st["first_error"][:300], restarts=st["restarts"])
+        # Filled to the last byte mid-run: the ranks fail on their writes, the supervisor still
+        # records an exit code (in the room it reserved at the start).
+        for n in cluster.names:
+            cluster.exec(n, f"rm -rf {SMALL}/small-full")
+        filled = cluster.playbook("launch.yml", "-e", "run_id=small-fill", "-e", f"dsc_run_root={SMALL}",
+                                  "-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}))
+        assert filled.returncode == 0, filled.output[-3000:]
+        wait(lambda: (cluster.run_status("small-fill", root=SMALL).get("last") or {}).get("step", 0) > 2, 240,
+             "small-fill training")
+        cluster.exec(cluster.master, f"dd if=/dev/zero of={SMALL}/filler bs=64k 2>/dev/null; true", user="dstrain")
+        st = wait(lambda: (s := cluster.run_status("small-fill", root=SMALL))["state"] not in ("running", "stalled")
+                  and s, 240, "small-fill to end on the full disk")
+        assert st["state"] == "failed" and st["exit_code"] not in (None, "0"), st
+        figures("disk filled mid-run", state=st["state"], exit_code=st["exit_code"], first_error=(st["first_error"] or "")[:200])
+    finally:
+        cluster.playbook("stop.yml", "-e", "run_id=small-fill", "-e", f"dsc_run_root={SMALL}")
+        cluster.playbook("stop.yml", "-e", "run_id=small-full", "-e", f"dsc_run_root={SMALL}")
+        for n in cluster.names:
+            cluster.exec(n, f"rm -rf {SMALL}/*", check=False)

@@ -446,3 +446,15 @@ def test_write_run_refuses_a_run_directory_that_is_a_symbolic_link(tmp_path):
     out = dsc_node.write_run(str(tmp_path / "runs" / "r1"), {"files": {"hostfile": "x"}})
     assert out["ok"] is False and "is a symbolic link" in out["error"] and list(victim.iterdir()) == []
     assert dsc_node.links(tmp_path / "runs") == ["r1"]
+
+
+def test_the_exit_code_is_recorded_on_a_disk_too_full_for_a_new_file(tmp_path, monkeypatch):
+    run = dsc_node.RunDir(tmp_path)
+    dsc_node.reserve_exit(run)
+
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(dsc_node, "write_atomic", full)
+    dsc_node.record_exit(run, -9)
+    assert (tmp_path / "exit_code").read_text() == "-9\n" and not (tmp_path / ".exit_code.reserve").exists()
+    assert dsc_node.status(tmp_path, "r-full")["exit_code"] == "-9"
