@@ -78,6 +78,8 @@ def start(name, hostname, ip, port):
        "--network", NETWORK, "--ip", ip, "--no-hosts",
        "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW",
        "--cap-add", "AUDIT_WRITE", "--shm-size", "1g", "--init",
+       # A small disk for the tests of full run roots (molecule/tests/test_faults.py).
+       "--mount", "type=tmpfs,destination=/mnt/small,tmpfs-size=16m,tmpfs-mode=0755",
        IMAGE, "/bin/sh", "-c",
        # Per-container host keys, a hosts file the node owns (kept across a restart), then sshd
        # as a daemon: a test can stop sshd alone, as on a real node, or the whole container.
