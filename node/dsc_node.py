@@ -48,6 +48,7 @@ import re
 import shutil
 import signal
 import socket
+import stat as stat_mod
 import subprocess
 import sys
 import tarfile
@@ -294,9 +295,19 @@ def run(cmd, timeout=60, env=None, user=None):
         return 124, "", f"timed out after {timeout} s"
 
 
+def read_text(path, limit=1 << 20):
+    """A run file's text, never through a symbolic link: root reads run directories the training
+    user writes, and a link planted there must not make it read another file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read(limit).decode(errors="replace")
+
+
 def read_json(path):
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(read_text(path))
     except (OSError, ValueError):
         return None
 
@@ -337,7 +348,7 @@ def pid_alive(pid_file):
     match (a stale file whose pid was reused by another process reads as dead); EPERM on another
     user's process reads as alive."""
     try:
-        pid, *started = Path(pid_file).read_text().split()
+        pid, *started = read_text(pid_file).split()
         pid = int(pid)
         os.kill(pid, 0)
     except PermissionError:
@@ -369,7 +380,7 @@ def runs(run_root):
             continue
         d = RunDir(e.path)
         try:
-            finished = (d / RunDir.EXIT).read_text().strip() == "0"
+            finished = read_text(d / RunDir.EXIT).strip() == "0"
         except OSError:
             finished = False
         out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,

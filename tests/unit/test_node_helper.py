@@ -458,3 +458,15 @@ def test_the_exit_code_is_recorded_on_a_disk_too_full_for_a_new_file(tmp_path, m
     dsc_node.record_exit(run, -9)
     assert (tmp_path / "exit_code").read_text() == "-9\n" and not (tmp_path / ".exit_code.reserve").exists()
     assert dsc_node.status(tmp_path, "r-full")["exit_code"] == "-9"
+
+
+def test_run_files_are_never_read_through_a_planted_link(tmp_path):
+    secret = tmp_path / "shadow"
+    secret.write_text('{"root": "only"}')
+    (tmp_path / "launch.json").symlink_to(secret)
+    (tmp_path / "launcher.pid").symlink_to(tmp_path / "pid")
+    (tmp_path / "pid").write_text(f"{os.getpid()}\n")
+    assert dsc_node.read_json(tmp_path / "launch.json") is None
+    assert dsc_node.pid_alive(tmp_path / "launcher.pid") is None
+    (tmp_path / "real.json").write_text('{"a": 1}')
+    assert dsc_node.read_json(tmp_path / "real.json") == {"a": 1}
