@@ -34,3 +34,25 @@ def test_every_playbook_validates_first(cluster, playbook):
     assert "run_id is '../../tmp/x'" in r.output, r.output[-3000:]
     assert "Record whether the plan's probe reached the node" not in r.output  # stopped in the plan
     assert all(v.get("changed", 0) == 0 for v in r.recap.values()), r.recap
+
+
+def test_a_launch_with_hostile_values_is_refused_and_nothing_planted_runs(cluster, tmp_path):
+    """Shell and template injection through every route of launch.yml at once: each refused by
+    name in the plan, nothing changed on any node, no planted command ran anywhere (the control
+    node included: a Jinja lookup in -e would run there)."""
+    marker = tmp_path / "jinja-ran"
+    hostile = {"run_id": "r1;touch /tmp/pwned", "dsc_run_root": "/opt/runs;touch /tmp/pwned",
+               "dsc_entry_args": ["--x", "$(touch /tmp/pwned)"],
+               "dsc_rank_env": {"NCCL_DEBUG": "WARN\"; touch /tmp/pwned; \""}}
+    r = cluster.playbook("launch.yml", "-e", json.dumps(hostile))
+    assert r.returncode != 0, r.output[-3000:]
+    for needle in ["run_id is 'r1;touch /tmp/pwned'", "dsc_run_root on host node1",
+                   "dsc_entry_args holds '$(touch /tmp/pwned)'", "the value of NCCL_DEBUG"]:
+        assert needle in r.output, (needle, r.output[-3000:])
+    jinja = cluster.playbook("launch.yml", "-e", f"run_id={{{{ lookup('pipe', 'touch {marker}') }}}}")
+    assert jinja.returncode != 0 and "run_id holds a Jinja template" in jinja.output, jinja.output[-3000:]
+    assert not marker.exists(), "a Jinja lookup in -e ran on the control node"
+    for result in (r, jinja):
+        assert all(v.get("changed", 0) == 0 for v in result.recap.values()), result.recap
+    for node in cluster.names:
+        assert cluster.exec(node, "test -e /tmp/pwned", check=False).returncode != 0

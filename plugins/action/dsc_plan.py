@@ -13,6 +13,7 @@ import os
 import sys
 
 from ansible.plugins.action import ActionBase
+from ansible.utils.vars import load_extra_vars
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
 import dsc_plan  # noqa: E402  (plugins/module_utils/dsc_plan.py, pure Python)
@@ -40,6 +41,12 @@ class ActionModule(ActionBase):
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
         args = self._task.args
+        if args.get("literal_extra_vars"):
+            # The first task of every playbook, before anything reads an -e value: the values as
+            # given on the command line (and in -e @files), parsed, never templated.
+            problems = dsc_plan.literal_extra_vars(load_extra_vars(self._loader))
+            return failed(result, problems, f"{len(problems)} problem(s), nothing was changed:") \
+                if problems else dict(result, changed=False)
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]
         probe_var = args.get("probe_var", "__plan_probe")
         names = dsc_plan.node_order(groups)

@@ -1000,6 +1000,29 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     }
 
 
+JINJA = re.compile(r"{{|{%|{#")
+
+
+def templates_in(value, where):
+    """The paths of the strings in value (an -e value: str, list, dict) that hold Jinja; Ansible
+    would evaluate them (lookups run commands on the control node), so the plan refuses them."""
+    if isinstance(value, str):
+        return [where] if JINJA.search(value) else []
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in templates_in(v, f"{where}.{k}")] + \
+               [f"{where} (a key)" for k in value if isinstance(k, str) and JINJA.search(k)]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in templates_in(v, f"{where}[{i}]")]
+    return []
+
+
+def literal_extra_vars(extra):
+    """Every -e value is taken literally: a problem per variable that holds a Jinja template."""
+    return [f"{path} holds a Jinja template: -e values are taken literally and never evaluated "
+            f"(a lookup there would run on the control node). Fix: pass the plain value."
+            for name, value in extra.items() for path in templates_in(value, str(name))]
+
+
 def run_reference(run_id, runs, run_root):
     """The run that status, stop and logs act on: run_id if given, else the active run, else
     none (those playbooks then refuse and list the runs: the newest directory is not

@@ -643,3 +643,12 @@ def test_a_run_id_whose_directory_is_a_symbolic_link_on_any_node_is_refused():
                                    full_run=True)
     assert any("run_id 'zero2-20261130-000000': /opt/dscluster/runs/zero2-20261130-000000 on node2 is a "
                "symbolic link" in e and "another run_id" in e for e in errors), errors
+
+
+def test_jinja_in_an_extra_var_is_refused_wherever_it_hides():
+    problems = dsc_plan.literal_extra_vars({
+        "run_id": "{{ lookup('pipe', 'id') }}", "preset": "zero2",
+        "dsc_train_config": {"steps": 5, "data_path": "{% raw %}x"}, "dsc_entry_args": ["--a", "{# c #}"]})
+    assert [p.split(" holds")[0] for p in problems] == ["run_id", "dsc_train_config.data_path", "dsc_entry_args[1]"]
+    assert all("Fix: pass the plain value" in p for p in problems)
+    assert dsc_plan.literal_extra_vars({"run_id": "r1", "x": {"y": [1, "z"]}}) == []
