@@ -35,7 +35,7 @@ echo "== removing what an earlier, killed run left behind"
 echo "== tests"
 rm -f .cache/test-figures.jsonl
 set +e
-.venv/bin/pytest molecule/tests -v -rs --durations=15 "$@"
+.venv/bin/pytest molecule/tests -v -rs --durations=0 --durations-min=15 "$@"
 rc=$?
 set -e
 echo "== figures the tests measured (.cache/test-figures.jsonl)"

@@ -1,6 +1,6 @@
 """The toolkit's ufw rules, and what to change so that they lead the node's rule list in order.
 
-    {{ dsc_plan.addrs | dsc_ufw_wanted(ssh_port, ssh_sources, first, last, control_addr) }}
+    {{ dsc_plan.addrs | dsc_firewall_rules(ssh_port, ssh_sources, first, last, control_addr) }}
         -> the toolkit's rules, in order: IPv4 ones, then IPv6 ones
     {{ wanted | dsc_ufw_changes(user_rules, user6_rules) }}
         -> {delete: [...], insert: [...], replaced: [...]}
@@ -203,6 +203,6 @@ def changes(wanted_rules, user_rules, user6_rules):
 class FilterModule:
     def filters(self):
         return {
-            "dsc_ufw_wanted": wanted,
+            "dsc_firewall_rules": wanted,
             "dsc_ufw_changes": changes,
         }
