@@ -4,6 +4,7 @@ zero2 and zero3 across both nodes to completion, one stopped and resumed, one re
 max_restarts; their requirements on every node; a dataset synced; secrets that reach the ranks
 and nothing else; and the bad inputs refused before any node changes."""
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -105,7 +106,16 @@ def test_requirements_are_installed_at_the_same_version_on_every_node(provisione
         got = json.loads(cluster.exec(n, f"{ENV}/bin/python -c '{probe}' {' '.join(p for p, _ in want)}",
                                       user="dstrain").stdout)
         assert got == dict(want), (n, got)
-    assert "Install the cluster's requirements (transformers==4.57.6" in provisioned["first"].output
+    # Installed from the wheelhouse's hashed lock: every locked package at its locked version.
+    out = provisioned["first"].output
+    task = out.split("Install the wheelhouse's lock, every file checked against its sha256")[1].split("TASK [")[0]
+    assert all(f": [{n}]" in task for n in cluster.names) and "skipping" not in task, task
+    wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
+    lock = dict(line.split(" ")[0].split("==") for line in (wheelhouse / "requirements.lock").read_text().splitlines()
+                if line and not line.startswith("#"))
+    for n in cluster.names:
+        got = json.loads(cluster.exec(n, f"{ENV}/bin/python -c '{probe}' {' '.join(lock)}", user="dstrain").stdout)
+        assert got == lock, (n, {k: (v, lock[k]) for k, v in got.items() if v != lock[k]})
 
 
 def test_a_package_changed_on_one_node_is_a_preflight_fail(provisioned, cluster, tmp_path):

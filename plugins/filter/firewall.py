@@ -180,7 +180,7 @@ def changes(wanted_rules, user_rules, user6_rules):
             elif _ours(r):
                 why = "stale"
             elif r["match"] in keys:
-                why = "same match as the toolkit's rule"
+                why = "same match as a toolkit rule"
                 replaced.append(text)
             else:
                 site += 1

@@ -371,6 +371,41 @@ def _requirements(s, where, problems, check_dir):
     return ([t for t, n in reqs if n in TORCH_FAMILY], [t for t, n in reqs if n not in TORCH_FAMILY])
 
 
+LOCK_LINE = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+) --hash=sha256:[0-9a-f]{64}$")
+
+
+def _wheelhouse_lock(s, texts, where, problems, check_dir):
+    """The wheelhouse's requirements.lock (scripts/wheelhouse.sh writes it), when it has one:
+    every node installs exactly it, each file checked against its sha256, so it must pin the
+    torch and DeepSpeed of the plan and satisfy every requirement. True when there is one."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+    wheelhouse = str(s["dsc_wheelhouse"] or "")
+    path = os.path.join(wheelhouse, "requirements.lock")
+    if not wheelhouse or check_dir is None or not check_dir(wheelhouse) or not os.path.isfile(path):
+        return False
+    pins = {}
+    for line in open(path).read().splitlines():
+        m = LOCK_LINE.match(line)
+        if m:
+            pins[canonicalize_name(m.group(1))] = Version(m.group(2))
+        elif line.strip() and not line.startswith("#"):
+            problems.add(f"dsc_wheelhouse {where}: {path} has a line that is not a hashed pin "
+                         f"({line[:80]!r}). Fix: rebuild it with scripts/wheelhouse.sh.")
+            return False
+    wanted = [f"torch=={s['dsc_torch_version']}", f"deepspeed=={s['dsc_deepspeed_version']}"] + list(texts)
+    for text in wanted:
+        req = Requirement(text)
+        got = pins.get(canonicalize_name(req.name))
+        if got is None or not req.specifier.contains(Version(got.public), prereleases=True):
+            problems.add(f"dsc_wheelhouse {where}: its requirements.lock has "
+                         f"{req.name} {got or 'not at all'}, the plan wants {text}. Fix: rebuild "
+                         f"the lock for these pins and requirements (scripts/wheelhouse.sh "
+                         f"{wheelhouse} with the requirements).")
+    return True
+
+
 def _data(s, where, problems, check_dir):
     """The dataset directory: synced from the control node to the same path on every node, or
     (dsc_data_shared) already there on a shared filesystem, checked by preflight."""
@@ -1085,6 +1120,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     s = _cluster_settings(hostvars, defaults, names, problems)
     _check_settings(s, names[0], problems, check_dir)
     torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
+    locked = _wheelhouse_lock(s, torch_requirements + requirements, f"on host {names[0]}", problems,
+                              check_dir)
     data = _data(s, f"on host {names[0]}", problems, check_dir)
     secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems)
@@ -1167,6 +1204,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "data_dir": data["dir"], "data_shared": data["shared"], "secret_names": secrets,
         # pip's source: the wheelhouse pushed to the node when there is one (offline).
         "pip_offline_args": f"--no-index --find-links {install_root}/wheelhouse" if wheelhouse else "",
+        # With the wheelhouse's lock, one install of exactly it, every file's sha256 checked.
+        "wheelhouse_locked": locked,
         "master_port_first": int(s["dsc_master_port"]),
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],

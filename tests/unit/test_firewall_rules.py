@@ -132,7 +132,7 @@ def test_an_active_sites_rules_first_the_toolkits_go_ahead_of_them():
     # ufw status numbered: [1] the site's 10/8, [2..7] the toolkit's IPv4 rules, [8] the site's
     # IPv6 allow.
     assert [(d["number"], d["why"]) for d in ch["delete"]] == [
-        (8, "same match as the toolkit's rule")] + [(n, "out of order") for n in range(7, 1, -1)]
+        (8, "same match as a toolkit rule")] + [(n, "out of order") for n in range(7, 1, -1)]
     assert ch["replaced"] == ["[8] allow tcp 29500:29510 ::/0 any ::/0 in (v6)"]
     # Then the IPv4 rules go to 1..6 ahead of the site's 10/8; the IPv6 deny, with nothing after
     # it, is appended.

@@ -584,6 +584,24 @@ def test_requirements_split_torch_family_and_are_checked_against_the_wheelhouse(
     assert any("'accelerate' is not in dsc_wheelhouse" in e and "none there" in e for e in errors), errors
 
 
+def test_a_wheelhouse_lock_must_pin_the_plans_torch_deepspeed_and_requirements(tmp_path):
+    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl")
+    h = "0" * 64
+    lock = tmp_path / "wheels" / "requirements.lock"
+    lock.write_text(f"# written by scripts/wheelhouse.sh\ntorch==2.13.0+cpu --hash=sha256:{h}\n"
+                    f"deepspeed==0.19.8 --hash=sha256:{h}\ntransformers==4.57.6 --hash=sha256:{h}\n")
+    p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
+                     dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
+    assert errors == [] and p["wheelhouse_locked"] is True
+    p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
+                     dsc_torch_version="2.12.0", dsc_deepspeed_version="0.19.8")
+    assert any("requirements.lock has torch 2.13.0+cpu, the plan wants torch==2.12.0" in e for e in errors), errors
+    lock.write_text("torch==2.13.0\n")
+    assert any("not a hashed pin" in e for e in plan(dsc_wheelhouse=wh)[1])
+    lock.unlink()
+    assert plan(dsc_wheelhouse=wh)[0]["wheelhouse_locked"] is False
+
+
 def test_data_dir_synced_or_shared(tmp_path):
     p, errors = plan(dsc_data_dir=str(tmp_path) + "/")
     assert errors == [] and (p["data_dir"], p["data_shared"]) == (str(tmp_path), False)

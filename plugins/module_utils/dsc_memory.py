@@ -1,0 +1,50 @@
+"""Per-GPU memory prediction for the plan (control node): train/memory.py, loaded by its path.
+
+The formula lives in one place, train/memory.py, because train/ is what runs on the nodes (a copy
+of train/ travels with every run) and train/run.py prints the same prediction there. This module
+loads that file under a private name (no sys.path change, no torch, no DeepSpeed) and re-exports
+it, so that `import dsc_memory` works wherever `import dsc_plan` does:
+
+    shape = dsc_memory.model_shape(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=2048)
+    dsc_memory.predict(shape, "zero2", micro_batch=8, world=1, gpus_per_node=1)["total"]
+
+See train/memory.py for the parts and docs/memory.md for the measured check.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+_NAME = "dsc_train_memory"
+_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train", "memory.py")
+
+
+def _load():
+    if _NAME in sys.modules:
+        return sys.modules[_NAME]
+    spec = importlib.util.spec_from_file_location(_NAME, os.path.normpath(_PATH))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"dsc_memory: cannot load {os.path.normpath(_PATH)}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_NAME] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_memory = _load()
+GiB = _memory.GiB
+OVERHEAD_BYTES = _memory.OVERHEAD_BYTES
+model_shape = _memory.model_shape
+shape_from_config = _memory.shape_from_config
+ds_zero2_estimate = _memory.ds_zero2_estimate
+ds_zero3_estimate = _memory.ds_zero3_estimate
+model_states = _memory.model_states
+zero_settings = _memory.zero_settings
+activation_bytes = _memory.activation_bytes
+logits_bytes = _memory.logits_bytes
+predict = _memory.predict
+
+__all__ = ["GiB", "OVERHEAD_BYTES", "model_shape", "shape_from_config", "ds_zero2_estimate",
+           "ds_zero3_estimate", "model_states", "zero_settings", "activation_bytes", "logits_bytes",
+           "predict"]
