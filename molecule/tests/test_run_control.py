@@ -177,3 +177,37 @@ def test_runs_lists_every_run_with_its_state(provisioned, cluster):
     assert " | failed | " in rows["rc-boom"]
     order = [k for k in rows if k.startswith("rc-")]
     assert order.index("rc-boom") < order.index("rc-done") < order.index("rc-a")  # newest first
+
+
+def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
+    """Two launch.yml started together pass their plans side by side; the run root's lock lets
+    exactly one start, with different run ids and with the same one."""
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}),
+             "-e", "preflight=false"]
+    for ids in (["race-a", "race-b"], ["race-same", "race-same"]):
+        for n in cluster.names:
+            cluster.exec(n, f"rm -rf {' '.join(f'{RUNS}/{i}' for i in set(ids))}")
+        results = [None, None]
+
+        def go(k):
+            results[k] = cluster.playbook("launch.yml", "-e", f"run_id={ids[k]}", *train)
+        threads = [threading.Thread(target=go, args=(k,)) for k in (0, 1)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            started = [r for r in results if r.returncode == 0]
+            refused = [r for r in results if r.returncode != 0]
+            assert len(started) == 1 and len(refused) == 1, [r.output[-1500:] for r in results]
+            # Refused by start's lock, or (same id) by write-run once the winner's log exists.
+            assert any(why in refused[0].output for why in ("is active", "is already running", "already holds a run")), \
+                refused[0].output[-2000:]
+            winner = ids[results.index(started[0])]
+            supervisors = cluster.exec(cluster.master, "pgrep -u dstrain -fc '[d]sc_node.py start' || true").stdout.strip()
+            assert supervisors == "1", f"{supervisors} supervisors for {ids}"
+            for n in cluster.names:
+                wait(lambda: len(cluster.rank_pids(n, winner)) == 1, 120, f"one rank of {winner} on {n}")
+        finally:
+            for run_id in set(ids):
+                cluster.playbook("stop.yml", "-e", f"run_id={run_id}")

@@ -175,6 +175,10 @@ def test_start_records_port_and_exit_code_and_refuses_while_a_run_is_active(tmp_
                         "--", launcher_script(tmp_path, "exit 0"), env=env)
         assert second.returncode == 4 and json.loads(second.stdout)["active"]["run_id"] == "long"
         assert not (root / "short" / "launcher.log").exists()
+        # The same run id again (two launches racing past the plan), even with replace: refused.
+        again = helper("start", root / "long", "long", "--run-root", root, "--ports", 29800, 29810,
+                       "--replace", "--", launcher_script(tmp_path, "exit 0"), env=env)
+        assert again.returncode == 4 and "run long is already running" in json.loads(again.stdout)["error"]
     finally:
         stopped = json.loads(helper("stop", "long", "--grace", 2, "--run-dir", root / "long").stdout)
     assert stopped["left"] == 0 and (root / "long" / "stopped").exists()
