@@ -504,7 +504,9 @@ def firewall(first, last):
     if shutil.which("ufw"):
         rc, out, err = run(["ufw", "status"])
         state = "active" if "Status: active" in out else "inactive" if rc == 0 else "unknown"
-        return {"tool": "ufw", "state": state, "master_rule": f"{first}:{last}/tcp" in out,
+        # As ufw shows the toolkit's deny: one port alone, never "29500:29500" (ufw refuses that).
+        ports = f"{first}:{last}" if str(first) != str(last) else f"{first}"
+        return {"tool": "ufw", "state": state, "master_rule": f"{ports}/tcp" in out,
                 "detail": (out or err).strip().splitlines()[0:1]}
     if shutil.which("firewall-cmd"):
         rc, out, _ = run(["firewall-cmd", "--state"])
@@ -1162,7 +1164,10 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     lock = open(Path(run_root) / RunDir.LOCK, "a")
     fcntl.flock(lock, fcntl.LOCK_EX)  # held until the new supervisor's pid is recorded
     other = active(run_root)
-    if other and other["run_id"] != run_id:
+    if other and other["run_id"] == run_id:  # two launches of one run id raced past the plan
+        print(json.dumps({"started": False, "active": other, "error": f"run {run_id} is already running"}))
+        return 4
+    if other:
         if not replace:
             print(json.dumps({"started": False, "active": other,
                               "error": f"run {other['run_id']} is active"}))
