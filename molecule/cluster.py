@@ -8,6 +8,8 @@ address and sshd, reached over SSH with a key and a pinned known_hosts, as a use
 The inventory lands in $DSC_TEST_STATE (default .cache/testcluster)/inventory. Node 2 runs sshd on a
 non-default port, so that every test also exercises the port plumbing. A container named
 `dsc-outsider` sits on the same network but not in the inventory (for the firewall scope test).
+The network carries IPv6 too (a ULA subnet, a fixed address per container, recorded in
+cluster.json as ip6): the firewall is checked over both families.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ STATE = Path(os.environ.get("DSC_TEST_STATE", ROOT / ".cache" / "testcluster"))
 IMAGE = os.environ.get("DSC_IMAGE", "localhost/dscluster-node:bookworm")
 NETWORK = "dsc-test"
 SUBNET = "10.89.77.0/24"
+SUBNET6 = "fd89:77::/64"
 PREFIX = "dsc-"
 # Where provision.yml installs the node helper, and the default run root.
 HELPER = "/usr/local/lib/dscluster/dsc_node.py"
 RUNS = "/opt/dscluster/runs"
 OUTSIDER = PREFIX + "outsider"
+OUTSIDER_IP, OUTSIDER_IP6 = "10.89.77.200", "fd89:77::200"
 NONDEFAULT_SSH_PORT = 2222
 # torch's and DeepSpeed's pinned versions (requirements/pins.env), as the nodes should have them.
 PINS = dict(line.split("=", 1) for line in (ROOT / "requirements" / "pins.env").read_text().splitlines()
@@ -56,6 +60,10 @@ def node_ip(i):
     return f"10.89.77.{10 + i}"
 
 
+def node_ip6(i):
+    return f"fd89:77::{10 + i}"
+
+
 def ssh_port(i):
     return NONDEFAULT_SSH_PORT if i == 2 else 22
 
@@ -73,9 +81,9 @@ def down():
 
 # Default capabilities plus what ufw needs: no SYS_PTRACE, as on restricted real nodes (root
 # there cannot read other users' /proc/PID/environ; the toolkit must not rely on it).
-def start(name, hostname, ip, port):
+def start(name, hostname, ip, ip6, port):
     sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
-       "--network", NETWORK, "--ip", ip, "--no-hosts",
+       "--network", NETWORK, "--ip", ip, "--ip6", ip6, "--no-hosts",
        "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW",
        "--cap-add", "AUDIT_WRITE", "--shm-size", "1g", "--init",
        # A small disk for the tests of full run roots (molecule/tests/test_faults.py).
@@ -92,21 +100,24 @@ def up(nodes):
     if (STATE / "cluster.json").exists():
         info = json.loads((STATE / "cluster.json").read_text())
         running = set(sh("podman", "ps", "--format", "{{.Names}}").stdout.split())
-        if info["nodes"] == nodes and all(PREFIX + n["name"] in running for n in info["hosts"]):
+        # A cluster from before the network carried IPv6 (no ip6 recorded) is made again.
+        if (info["nodes"] == nodes and all(PREFIX + n["name"] in running and n.get("ip6") for n in info["hosts"])
+                and info["outsider"].get("ip6")):
             print(f"reusing cluster of {nodes} nodes: {STATE / 'inventory'}")
             return info
     down()
     STATE.mkdir(parents=True, exist_ok=True)
-    sh("podman", "network", "create", "--subnet", SUBNET, NETWORK)
+    sh("podman", "network", "create", "--ipv6", "--subnet", SUBNET, "--subnet", SUBNET6, NETWORK)
     key = STATE / "id_ed25519"
     sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "dsc-test-control", "-f", str(key))
     pub = (STATE / "id_ed25519.pub").read_text()
-    hosts = [{"name": node_name(i), "ip": node_ip(i), "port": ssh_port(i)} for i in range(1, nodes + 1)]
+    hosts = [{"name": node_name(i), "ip": node_ip(i), "ip6": node_ip6(i), "port": ssh_port(i)}
+             for i in range(1, nodes + 1)]
     for h in hosts:
-        start(PREFIX + h["name"], h["name"], h["ip"], h["port"])
-    start(OUTSIDER, "outsider", "10.89.77.200", 22)
+        start(PREFIX + h["name"], h["name"], h["ip"], h["ip6"], h["port"])
+    start(OUTSIDER, "outsider", OUTSIDER_IP, OUTSIDER_IP6, 22)
     known = []
-    for h in hosts + [{"name": "outsider", "ip": "10.89.77.200", "port": 22}]:
+    for h in hosts + [{"name": "outsider", "ip": OUTSIDER_IP, "port": 22}]:
         c = PREFIX + h["name"]
         sh("podman", "exec", "-i", c, "sh", "-c",
            "mkdir -p -m 700 /root/.ssh && cat > /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys",
@@ -121,8 +132,8 @@ def up(nodes):
         known.append(f"{addr} {hostkey}")
     (STATE / "known_hosts").write_text("\n".join(known) + "\n")
     write_inventory(hosts)
-    wait_ssh(hosts + [{"name": "outsider", "ip": "10.89.77.200", "port": 22}])
-    info = {"nodes": nodes, "hosts": hosts, "outsider": {"name": OUTSIDER, "ip": "10.89.77.200"}}
+    wait_ssh(hosts + [{"name": "outsider", "ip": OUTSIDER_IP, "port": 22}])
+    info = {"nodes": nodes, "hosts": hosts, "outsider": {"name": OUTSIDER, "ip": OUTSIDER_IP, "ip6": OUTSIDER_IP6}}
     (STATE / "cluster.json").write_text(json.dumps(info, indent=1))
     return info
 

@@ -4,7 +4,10 @@ import sys
 import time
 from pathlib import Path
 
+from cluster import SUBNET, SUBNET6
+
 ROOT = Path(__file__).resolve().parents[2]
+GATEWAY = SUBNET.rsplit(".", 1)[0] + ".1"  # podman's, the control node as the nodes see it
 
 
 def test_pdsh_from_master_reaches_every_node_without_prompt(provisioned, cluster):
@@ -51,8 +54,119 @@ def test_firewall_rules_in_place(provisioned, cluster):
         st = cluster.exec(node, "ufw status").stdout
         assert "Status: active" in st
         assert "29500:29510/tcp" in st and "DENY" in st
+        assert any("29500:29510/tcp (v6)" in line and "DENY" in line and "Anywhere (v6)" in line
+                   for line in st.splitlines()), st
         for h in cluster.info["hosts"]:
             assert h["ip"] in st
+        # SSH from the control node (as the node sees it: the network's gateway) and the cluster,
+        # not from anywhere (cluster_network_ssh_sources is empty).
+        ssh = [line for line in st.splitlines() if "# dscluster ssh" in line]
+        assert ssh and not any("Anywhere" in line for line in ssh), st
+        assert any(f" {GATEWAY} " in line for line in ssh), st
+
+
+def _numbered(cluster, node):
+    """`ufw status numbered` as [(number, line)]."""
+    out = cluster.exec(node, "ufw status numbered").stdout
+    return [(int(line[1:line.index("]")]), line) for line in out.splitlines() if line.startswith("[")]
+
+
+def _first(rules, *needles):
+    return next((n for n, line in rules if all(x in line for x in needles)), None)
+
+
+def _outsider_reaches(cluster, addr, v6=False):
+    r = subprocess.run(["podman", "exec", cluster.info["outsider"]["name"], "nc", *(["-6"] if v6 else []),
+                        "-z", "-w", "3", addr, "29500"], capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def _listen_on_master(cluster):
+    """A listener on the master port over IPv4 and IPv6 (one dual-stack socket), for 60 s."""
+    subprocess.Popen(["podman", "exec", "dsc-" + cluster.master, "python3", "-c",
+                      "import socket,time; s=socket.socket(socket.AF_INET6); "
+                      "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); "
+                      "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                      "s.bind(('::', 29500)); s.listen(8); time.sleep(60)"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.5)
+
+
+def _stop_listening(cluster):
+    cluster.exec(cluster.master, "pkill -f '[t]ime.sleep.60.' || true")
+
+
+# What a site's admin typed on the master after the toolkit's provision (the test network's
+# subnets: the outsider's addresses are in them).
+STALE = SUBNET.rsplit(".", 1)[0] + ".99"  # an address in no container
+SITE_RULES = [
+    # The same match as the toolkit's deny: ufw skips the IPv4 half and replaces the toolkit's
+    # IPv6 deny with this allow, in place.
+    "ufw insert 1 allow 29500:29510/tcp",
+    # Ahead of everything, each family: the site's LAN (the outsider's too) to the master ports.
+    f"ufw prepend allow from {SUBNET} to any port 29500:29510 proto tcp comment 'site lan'",
+    f"ufw prepend allow from {SUBNET6} to any port 29500:29510 proto tcp comment 'site lan'",
+    # A rule the toolkit added for a node no longer in the cluster.
+    f"ufw allow from {STALE} comment 'dscluster node'",
+]
+SITE_CLEANUP = [
+    f"ufw delete allow from {SUBNET} to any port 29500:29510 proto tcp",
+    f"ufw delete allow from {SUBNET6} to any port 29500:29510 proto tcp",
+    "ufw delete allow 29500:29510/tcp",
+    f"ufw delete allow from {STALE}",
+]
+
+
+def test_firewall_goes_ahead_of_an_active_sites_rules_over_ipv4_and_ipv6(provisioned, cluster):
+    """The site's own rules put ahead of the toolkit's on an active ufw let the outsider reach the
+    master port over IPv4 and IPv6; provision.yml puts the toolkit's rules first again (SSH, the
+    cluster, the master port deny, per family), replaces the site's rule that has the same match
+    as its deny, keeps the site's others after its own, and removes its stale rule."""
+    master, h = cluster.master, cluster.info["hosts"][0]
+    try:
+        for cmd in SITE_RULES:
+            cluster.exec(master, cmd)
+        before = _numbered(cluster, master)
+        assert _first(before, "site lan") == 1, before
+        _listen_on_master(cluster)
+        try:
+            # The site's rules win: the setup means something.
+            assert _outsider_reaches(cluster, h["ip"]), before
+            assert _outsider_reaches(cluster, h["ip6"], v6=True), before
+        finally:
+            _stop_listening(cluster)
+
+        r = cluster.playbook("provision.yml", timeout=900)
+        assert r.returncode == 0, r.output[-5000:]
+        # The deletions' loop labels (printed as they are): the site's IPv6 allow, the stale rule.
+        assert "same match as a toolkit rule: [" in r.output and "stale: [" in r.output, r.output[-5000:]
+
+        after = _numbered(cluster, master)
+        text = "\n".join(line for _, line in after)
+        # The toolkit's rules lead each family, in the documented order.
+        assert all("# dscluster" in line for n, line in after if n < _first(after, "site lan")), text
+        v4 = {"ssh": _first(after, "# dscluster ssh"), "node": _first(after, "# dscluster node"),
+              "deny": _first(after, "29500:29510/tcp ", "DENY IN", "# dscluster master ports"),
+              "site": _first(after, SUBNET, "site lan")}
+        v6 = {"deny": _first(after, "29500:29510/tcp (v6)", "DENY IN", "# dscluster master ports"),
+              "site": _first(after, SUBNET6, "site lan")}
+        assert None not in v4.values() and None not in v6.values(), text
+        assert v4["ssh"] < v4["node"] < v4["deny"] < v4["site"] < v6["deny"] < v6["site"], (v4, v6, text)
+        # The site's allow with the deny's match is gone (replaced), the stale rule too.
+        assert "ALLOW IN    Anywhere (v6)" not in text and "29500:29510/tcp            ALLOW IN    Anywhere" not in text, text
+        assert STALE not in text, text
+
+        _listen_on_master(cluster)
+        try:
+            assert not _outsider_reaches(cluster, h["ip"]), "the outsider reached the master port over IPv4"
+            assert not _outsider_reaches(cluster, h["ip6"], v6=True), "the outsider reached the master port over IPv6"
+            ok = cluster.exec(cluster.names[1], f"nc -z -w 3 {h['ip']} 29500", check=False)
+            assert ok.returncode == 0, "a cluster node no longer reaches the master port"
+        finally:
+            _stop_listening(cluster)
+    finally:
+        for cmd in SITE_CLEANUP:
+            cluster.exec(master, cmd, check=False)
 
 
 def test_no_host_key_checking_is_disabled_anywhere():

@@ -1,7 +1,8 @@
-"""The toolkit's ufw rules, and what to change so that they lead the node's rule list in order.
+"""The toolkit's firewall rules (roles/cluster_network), and what to change in ufw so that they lead
+the node's rule list in order.
 
-    {{ dsc_plan.addrs | dsc_firewall_rules(ssh_port, ssh_sources, first, last, control_addr) }}
-        -> the toolkit's rules, in order: IPv4 ones, then IPv6 ones
+    {{ dsc_plan.addrs | dsc_firewall_rules(ssh_port, ssh_sources, first, last, control_addr, ipv6) }}
+        -> the toolkit's rules, in order: IPv4 ones, then IPv6 ones (firewalld reads the SSH ones)
     {{ wanted | dsc_ufw_changes(user_rules, user6_rules) }}
         -> {delete: [...], insert: [...], replaced: [...]}
 
@@ -36,7 +37,7 @@ def address(text, what="address"):
     except ValueError:
         raise AnsibleFilterError(f"{what} {text!r} is not an IP address or CIDR. Fix: an address "
                                  f"such as 192.0.2.10 or 2001:db8::10, a network such as "
-                                 f"192.0.2.0/24, or 'any'.")
+                                 f"192.0.2.0/24, or 'any'.") from None
     if net.version == 6 and net.prefixlen == 128 and net.network_address.ipv4_mapped:
         net = ipaddress.ip_network(net.network_address.ipv4_mapped)
     family = "v4" if net.version == 4 else "v6"
