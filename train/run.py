@@ -63,9 +63,24 @@ def choose_precision(ds_cfg: dict, wanted: str, device: str) -> str:
     return "fp32"
 
 
-def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes: int) -> dict:
-    """DeepSpeed's own model-state estimators (bytes per GPU / per node CPU)."""
+def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes: int, cfg=None,
+                    ds_cfg=None, micro_batch=None, precision=None) -> dict:
+    """DeepSpeed's own model-state estimators (bytes per GPU / per node CPU); with the run's
+    config, also train/memory.py's peak prediction (model states + activations + logits, per GPU)
+    as "predicted"."""
     n = sum(p.numel() for p in model.parameters())
+    predicted = {}
+    if cfg is not None and ds_cfg is not None and micro_batch:
+        try:
+            from train.memory import predict, shape_from_config
+            shape = dict(shape_from_config(cfg), params=n)
+            r = predict(shape, ds_cfg, micro_batch, gpus_per_node * nodes, gpus_per_node,
+                        precision=precision if precision in ("bf16", "fp16") else "fp32",
+                        activation_checkpointing=cfg.activation_checkpointing)
+            predicted = {"predicted": {"method": "train/memory.py", "gpu_bytes": r["total"], "phase": r["phase"],
+                                       "parts": r["parts"]}}
+        except Exception as e:  # never fail a run over a prediction
+            predicted = {"predicted": {"method": f"unavailable: {e}"}}
     try:
         if stage == 3:
             from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -83,8 +98,8 @@ def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes:
             gpu = 16 * n if stage == 0 else 4 * n + 12 * n / world
             cpu, how = 0, "zero-paper formula (16 bytes/param)"
     except Exception as e:  # an estimator's signature changed: report, don't fail the run
-        return {"method": f"unavailable: {e}", "params": n}
-    return {"method": how, "params": n, "gpu_bytes": int(gpu), "cpu_bytes": int(cpu)}
+        return {"method": f"unavailable: {e}", "params": n, **predicted}
+    return {"method": how, "params": n, "gpu_bytes": int(gpu), "cpu_bytes": int(cpu), **predicted}
 
 
 def lr_at(cfg, step: int) -> float:
@@ -157,7 +172,8 @@ def main(argv=None) -> int:
     stage = int(zero.get("stage", 0))
     offload = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     gpus_per_node = int(os.environ.get("LOCAL_SIZE", 1))
-    estimate = memory_estimate(model, stage, offload, gpus_per_node, max(1, world // gpus_per_node)) \
+    estimate = memory_estimate(model, stage, offload, gpus_per_node, max(1, world // gpus_per_node),
+                               cfg=cfg, ds_cfg=ds_cfg, micro_batch=mb, precision=precision) \
         if cfg.estimate_memory else {}
 
     n_params = sum(p.numel() for p in model.parameters())

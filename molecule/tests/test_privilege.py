@@ -22,9 +22,13 @@ def test_root_never_runs_the_training_users_env(provisioned, cluster, tmp_path):
         cluster.exec(n, f"rm -f {SEEN}; touch {SEEN}; chmod 666 {SEEN}; install -d -m 0755 /srv/victim")
         cluster.exec(n, f"echo \"import os; open('{SEEN}', 'a').write(str(os.getuid()) + chr(10))\" > {PTH}",
                      user="dstrain")
-        cluster.exec(n, f"cd {BIN} && for f in {SWAPPED}; do test -e $f.real || mv $f $f.real; "
-                        f"printf '#!/bin/sh\\nid -u >> {SEEN}\\nexec \\"$0.real\\" \\"$@\\"\\n' > $f; chmod 755 $f; done",
-                     user="dstrain")
+        cluster.exec(n, f"""cd {BIN} && for f in {SWAPPED}; do test -e $f.real || mv $f $f.real
+cat > $f <<'WRAPPER'
+#!/bin/sh
+id -u >> {SEEN}
+exec "$0.real" "$@"
+WRAPPER
+chmod 755 $f; done""", user="dstrain")
         owners[n] = cluster.exec(n, f"stat -c '%n %U %a' {ROOT_OWNED}").stdout
     try:
         for playbook, args in [("provision.yml", []),
