@@ -557,7 +557,7 @@ def jit_locks(ext_dir, min_age_s=60.0, now=None):
     run on the node hangs in "Waiting for lock". Read as the lock's owner: a process whose
     directory cannot be read counts as a builder when its name is a compiler's."""
     now = time.time() if now is None else now
-    locks = [p for p in Path(ext_dir).glob("*/lock")] + [p for p in Path(ext_dir).glob("*/*/lock")]
+    locks = list(Path(ext_dir).glob("*/lock")) + list(Path(ext_dir).glob("*/*/lock"))
     if not locks:
         return []
     cwds, unknown = [], False
