@@ -1,0 +1,262 @@
+"""Unit tests for the memory prediction (train/memory.py, loaded on the control node as
+plugins/module_utils/dsc_memory.py). Pure Python: no torch, no DeepSpeed."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsc_memory as M
+from train import memory as train_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB = 2 ** 30
+N13 = 1418399744          # the 1.42 B GPT ("1.3b", seq 2048): train.run printed this on the H200
+LL13 = 103022592          # its largest layer (token embedding / output layer, 50304 x 2048)
+
+
+def gpt13(seq_len=2048):
+    return M.model_shape(24, 2048, 16, 50304, seq_len)
+
+
+# --- one formula, two import paths -------------------------------------------------------------------
+
+def test_dsc_memory_is_train_memory_loaded_by_path():
+    assert M.predict.__code__.co_filename == train_memory.predict.__code__.co_filename
+    assert Path(M.predict.__code__.co_filename).resolve() == ROOT / "train" / "memory.py"
+
+
+def test_dsc_memory_imports_without_torch_or_deepspeed():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None; "
+            f"sys.path.insert(0, {str(ROOT / 'plugins' / 'module_utils')!r}); import dsc_memory; "
+            "s = dsc_memory.model_shape(2, 64, 4, 258, 128); "
+            "print(dsc_memory.predict(s, 'zero2', 1, 1, 1)['total'] > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
+# --- DeepSpeed's estimators, in closed form ----------------------------------------------------------
+# Expected numbers computed once with the installed DeepSpeed 0.19.8 (.cache/train-venv):
+#   from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+#   from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+# (params, largest layer, GPUs per node, nodes) -> zero2 (cpu, gpu) without / with offload; zero3
+# (cpu, gpu, largest layer bytes) without offload / params+optimizer offload / optimizer offload,
+# zero_init=True; and zero_init=False for two cases.
+
+ZERO2 = {
+    (N13, 1, 1): ((8510398464, 28367994880), (34041593856, 2836799488)),
+    (N13, 2, 1): ((17020796928, 15602397184), (34041593856, 2836799488)),
+    (N13, 8, 4): ((68083187712, 3634649344), (272332750848, 2836799488)),
+    (125_000_000, 4, 2): ((3000000000, 531250000), (6000000000, 250000000)),
+    (6_546_048, 1, 3): ((39276288, 52368384), (157105152, 13092096)),
+}
+ZERO3 = {
+    (N13, LL13, 1, 1): ((618135552, 25943285760, 412090368), (38296793088, 412090368, 412090368),
+                        (34041593856, 3248889856, 412090368)),
+    (N13, LL13, 2, 1): ((1236271104, 13177688064, 412090368), (38296793088, 412090368, 412090368),
+                        (34041593856, 1830490112, 412090368)),
+    (N13, LL13, 8, 4): ((4945084416, 1209940224, 412090368), (9574198272, 412090368, 412090368),
+                        (8510398464, 500740352, 412090368)),
+    (125_000_000, 38_597_376, 4, 2): ((926337024, 435639504, 154389504), (1687500000, 154389504, 154389504),
+                                      (1500000000, 185639504, 154389504)),
+    (6_546_048, 3_219_456, 1, 3): ((19316736, 52154112, 12877824), (58914432, 12877824, 12877824),
+                                   (52368384, 17241856, 12877824)),
+}
+ZERO3_NO_ZERO_INIT = {
+    (N13, LL13, 8, 4): ((68083187712, 1209940224, 412090368), (68083187712, 412090368, 412090368),
+                        (68083187712, 500740352, 412090368)),
+    (125_000_000, 38_597_376, 4, 2): ((3000000000, 435639504, 154389504), (3000000000, 154389504, 154389504),
+                                      (3000000000, 185639504, 154389504)),
+}
+
+
+@pytest.mark.parametrize("case", ZERO2)
+def test_zero2_estimate_equals_deepspeed(case):
+    n, gpn, nodes = case
+    plain, offload = ZERO2[case]
+    assert M.ds_zero2_estimate(n, gpn, nodes, cpu_offload=False) == plain
+    assert M.ds_zero2_estimate(n, gpn, nodes, cpu_offload=True) == offload
+
+
+@pytest.mark.parametrize("case", ZERO3)
+def test_zero3_estimate_equals_deepspeed(case):
+    n, ll, gpn, nodes = case
+    plain, both, opt_only = ZERO3[case]
+    assert M.ds_zero3_estimate(n, ll, gpn, nodes, cpu_offload=False, cpu_offload_params=False) == plain
+    assert M.ds_zero3_estimate(n, ll, gpn, nodes, cpu_offload=True, cpu_offload_params=True) == both
+    assert M.ds_zero3_estimate(n, ll, gpn, nodes, cpu_offload=True, cpu_offload_params=False) == opt_only
+
+
+@pytest.mark.parametrize("case", ZERO3_NO_ZERO_INIT)
+def test_zero3_estimate_without_zero_init_equals_deepspeed(case):
+    n, ll, gpn, nodes = case
+    plain, both, opt_only = ZERO3_NO_ZERO_INIT[case]
+    kw = {"zero_init": False}
+    assert M.ds_zero3_estimate(n, ll, gpn, nodes, cpu_offload=False, cpu_offload_params=False, **kw) == plain
+    assert M.ds_zero3_estimate(n, ll, gpn, nodes, cpu_offload=True, cpu_offload_params=True, **kw) == both
+    assert M.ds_zero3_estimate(n, ll, gpn, nodes, cpu_offload=True, cpu_offload_params=False, **kw) == opt_only
+
+
+@pytest.mark.parametrize("preset,gpn,nodes,expected", [
+    ("zero2", 1, 1, ZERO2[(N13, 1, 1)][0][1]),
+    ("zero2", 8, 4, ZERO2[(N13, 8, 4)][0][1]),
+    ("zero2-offload", 2, 1, ZERO2[(N13, 2, 1)][1][1]),
+    ("zero3", 2, 1, ZERO3[(N13, LL13, 2, 1)][0][1]),
+    ("zero3", 8, 4, ZERO3[(N13, LL13, 8, 4)][0][1]),
+    ("zero3-offload", 1, 1, ZERO3[(N13, LL13, 1, 1)][1][1]),
+    ("zero1", 2, 1, 4 * N13 + 6 * N13),    # no DeepSpeed estimator: 4N + 12N/world
+    ("zero0", 1, 1, 16 * N13),             # no DeepSpeed estimator: 16N
+])
+def test_prediction_reports_deepspeeds_estimate_as_model_states(preset, gpn, nodes, expected):
+    r = M.predict(gpt13(), preset, 8, gpn * nodes, gpn)
+    assert r["parts"]["model_states"] == expected
+    assert r["model_states"]["gpu_bytes"] == expected
+
+
+def test_shape_counts_train_models_parameters():
+    s = gpt13()
+    assert s["params"] == N13 and s["largest_layer_params"] == LL13 and s["largest_param"] == LL13
+    assert M.model_shape(2, 64, 4, 50304, 128)["params"] == 6546048   # "tiny": train.run on CPU
+    assert M.model_shape(2, 64, 4, 50304, 128, tied=True)["params"] == 6546048 - 50304 * 64
+
+
+def test_shape_from_train_config():
+    from train.config import load_config
+    s = M.shape_from_config(load_config(None, ["size=1.3b", "seq_len=2048"]))
+    assert s == gpt13()
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+def test_activations_and_logits_are_linear_in_micro_batch():
+    s = gpt13()
+    for kw in ({}, {"attention": "eager"}, {"checkpointing": True}, {"dropout": True}):
+        a1, a4 = M.activation_bytes(s, 1, **kw), M.activation_bytes(s, 4, **kw)
+        for key in ("per_layer", "layers", "recompute", "head"):
+            assert a4[key] == 4 * a1[key]
+    assert M.logits_bytes(s, 8) == 8 * M.logits_bytes(s, 1)
+
+
+def test_per_layer_is_korthikanti_with_dropout_and_eager_attention():
+    # s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, plus the small fp32 LayerNorm statistics.
+    s, b, h, a = 2048, 2, 2048, 16
+    per_layer = M.activation_bytes(gpt13(), b, "bf16", "eager", dropout=True)["per_layer"]
+    assert per_layer == s * b * h * (34 + 5 * a * s // h) + 16 * s * b
+
+
+def test_per_layer_without_dropout_is_32_sbh_and_flash_drops_the_quadratic_term():
+    s, b, h, a = 2048, 2, 2048, 16
+    flash = M.activation_bytes(gpt13(), b)["per_layer"]
+    assert flash == 32 * s * b * h + 16 * s * b + 4 * a * s * b     # + fp32 log-sum-exp per row
+    eager = M.activation_bytes(gpt13(), b, attention="eager")["per_layer"]
+    assert eager == 32 * s * b * h + 16 * s * b + 2 * a * s * s * b  # softmax output, 16-bit
+
+
+def test_attention_term_is_quadratic_in_sequence_and_gone_with_sdpa():
+    def attention_term(seq):
+        shape = gpt13(seq)
+        eager = M.activation_bytes(shape, 1, attention="eager")["per_layer"]
+        sdpa = M.activation_bytes(shape, 1, attention="sdpa")["per_layer"]
+        lse = 4 * 16 * seq  # sdpa's log-sum-exp, linear
+        return eager - (sdpa - lse)
+    assert attention_term(4096) == 4 * attention_term(2048)
+    # with sdpa every term is linear in the sequence
+    one, two = (M.activation_bytes(gpt13(seq), 1)["per_layer"] for seq in (1024, 2048))
+    assert two == 2 * one
+
+
+def test_checkpointing_keeps_block_inputs_plus_one_block():
+    s, b, h, L = 2048, 8, 2048, 24
+    full = M.activation_bytes(gpt13(), b)
+    ckpt = M.activation_bytes(gpt13(), b, checkpointing=True)
+    assert ckpt["layers"] == L * 2 * s * b * h
+    assert ckpt["recompute"] == full["per_layer"]
+    assert ckpt["layers"] + ckpt["recompute"] < full["layers"] / 8
+
+
+def test_logits_are_three_fp32_copies_when_cast():
+    s = gpt13()
+    assert M.logits_bytes(s, 8) == 3 * 4 * 2048 * 8 * 50304
+    assert M.logits_bytes(s, 8, logits_fp32=False) == 3 * 2 * 2048 * 8 * 50304
+
+
+# --- the prediction's output -------------------------------------------------------------------------
+
+PARTS = {"model_states", "states_adjust", "zero_buffers", "activations", "logits", "overhead"}
+
+
+@pytest.mark.parametrize("preset", ["zero0", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload"])
+@pytest.mark.parametrize("mb", [1, 8])
+def test_output_shape(preset, mb):
+    r = M.predict(gpt13(), preset, mb, 2, 2)
+    assert set(r["parts"]) == PARTS and set(r["how"]) == PARTS
+    assert all(isinstance(v, int) for v in r["parts"].values())
+    assert all(isinstance(v, str) and v for v in r["how"].values())
+    assert sum(r["parts"].values()) == r["total"]
+    assert r["phase"] in r["phases"] and r["phases"][r["phase"]] == r["total"] == max(r["phases"].values())
+    assert r["total_gib"] == round(r["total"] / GiB, 2)
+    assert r["parts"]["overhead"] == M.OVERHEAD_BYTES
+    json.dumps(r)  # plain data, for the plan and the run's printed start line
+
+
+def test_ds_config_dict_gives_the_same_as_the_preset_name():
+    for name in ("zero1", "zero2", "zero3", "zero2-offload", "zero3-offload"):
+        cfg = json.loads((ROOT / "templates" / "ds_config" / f"{name}.json").read_text())
+        by_dict = M.predict(gpt13(), cfg, 4, 2, 2)
+        by_name = M.predict(gpt13(), name, 4, 2, 2)
+        assert by_dict["total"] == by_name["total"] and by_dict["parts"] == by_name["parts"], name
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError):
+        M.predict(gpt13(), "zero4", 8, 1, 1)
+    with pytest.raises(ValueError):
+        M.predict(gpt13(), "zero2", 0, 1, 1)
+    with pytest.raises(ValueError):
+        M.predict(gpt13(), "zero2", 8, 1, 1, attention="flash2")
+
+
+def test_more_gpus_less_memory_and_offload_less_than_without():
+    s = gpt13()
+    for preset in ("zero1", "zero2", "zero3"):
+        one, eight = (M.predict(s, preset, 8, w, w)["parts"] for w in (1, 8))
+        assert eight["model_states"] + eight["states_adjust"] < one["model_states"] + one["states_adjust"]
+    for stage in ("zero2", "zero3"):
+        assert M.predict(s, stage + "-offload", 8, 1, 1)["total"] < M.predict(s, stage, 8, 1, 1)["total"]
+
+
+def test_small_micro_batch_peaks_at_the_optimizer_step():
+    r = M.predict(gpt13(), "zero2", 1, 1, 1)
+    assert r["phase"] == "step" and r["parts"]["activations"] == 0 and r["parts"]["logits"] == 0
+
+
+# --- against the H200 measurements (docs/memory.md) ----------------------------------------------
+# max_memory_allocated in GiB: bench/results/gpu/memory/memory.json (bench/gpu_memory.py, 3 steps,
+# a fresh process each) and earlier launch.yml runs (bench/results/gpu/*/summary-*.json, 15 or 6
+# steps, rounded to 0.01 GiB); (preset, micro-batch, world, checkpointing).
+
+MEASURED = {
+    ("zero1", 4, 1, False): 35.2397723197937,
+    ("zero2", 4, 1, False): 35.2397723197937,
+    ("zero3", 4, 1, False): 38.81435298919678,
+    ("zero2", 8, 1, False): 51.92257261276245,
+    ("zero2", 8, 1, True): 29.393252849578857,
+    ("zero3", 8, 1, False): 55.5,
+    ("zero2-offload", 8, 1, False): 36.26,
+    ("zero3-offload", 8, 1, False): 36.24,
+    ("zero2", 12, 1, False): 68.61,
+    ("zero2", 16, 1, False): 85.29,
+    ("zero2", 8, 2, False): 44.0,
+    ("zero3", 8, 2, False): 46.81,
+    ("zero2", 12, 2, False): 60.68,
+    ("zero2", 16, 2, False): 77.36,
+}
+
+
+@pytest.mark.parametrize("case", MEASURED)
+def test_prediction_within_one_percent_of_the_h200_peaks(case):
+    preset, mb, world, ckpt = case
+    r = M.predict(gpt13(), preset, mb, world, world, activation_checkpointing=ckpt)
+    assert abs(r["total"] / GiB / MEASURED[case] - 1) < 0.01

@@ -1,0 +1,372 @@
+"""Per-GPU memory of a DeepSpeed training step, predicted from the model's shape (standard library only).
+
+The one place for the formula: train/run.py imports it on the nodes (train/ travels with every run),
+plugins/module_utils/dsc_memory.py loads this file on the control node (the plan, -e preset=auto).
+docs/memory.md has the derivation and the measured check (bench/gpu_memory.py on one H200).
+
+What is predicted is the peak of torch.cuda.max_memory_allocated() over a training step, as a sum
+of parts (bytes per GPU):
+
+  model_states   DeepSpeed's own estimator, in closed form (deepspeed 0.19.8:
+                 stage_1_and_2.estimate_zero2_model_states_mem_needs,
+                 stage3.estimate_zero3_model_states_mem_needs; DeepSpeed has none for stages 0/1:
+                 the ZeRO paper's split, as train/run.py always reported).
+  states_adjust  what is resident at the peak minus that estimate. The estimate counts gradients
+                 (16-bit and the fp32 copy) that DeepSpeed allocates only during the backward's
+                 tail or the optimizer step, when the activations are already freed; ZeRO-3's
+                 estimate leaves out the 16-bit parameter partitions and has 4 bytes per parameter
+                 of the largest layer instead.
+  zero_buffers   what DeepSpeed allocates besides the states, from the ds_config: ZeRO-3's
+                 reduce bucket (preallocated), gathered ZeRO-3 parameters, the offload staging
+                 buffer, ZeRO-1/2's reduce buckets where the peak falls after the first gradient.
+  activations    tensors saved for backward by each transformer block (Korthikanti et al. 2022,
+                 s*b*h*(34 + 5*a*s/h) bytes/layer in 16-bit with dropout; 32 without dropout;
+                 the attention-score term only where scores are materialised), the final
+                 LayerNorm's, and the small fp32 per-token statistics.
+  logits         the output layer's logits at the start of the backward: the fp32 log-softmax
+                 output, its incoming gradient and its outgoing gradient (3 x s*b*V*4 bytes when
+                 the model casts logits to fp32, as train/model.py does).
+  overhead       a constant fitted on the H200 measurement (cuBLAS workspaces, the batch, the loss
+                 and other small tensors).
+
+The peak is taken as the largest of three moments of a step: "backward" (all activations live and
+the cross-entropy's backward running), "first-gradient" (the first parameter gradient arrives and
+ZeRO-1/2 allocate their reduce buckets) and "step" (activations freed, the gradients, their
+flattened copy and the fp32 copy allocated: about DeepSpeed's estimate).
+
+Not covered: the CUDA context, NCCL's buffers and the caching allocator's fragmentation (they are
+outside max_memory_allocated; reserved over allocated as measured: docs/memory.md), pipeline/tensor
+parallelism, MoE, fused or chunked cross-entropy, torch.compile's own buffers, CPU memory other
+than DeepSpeed's estimate.
+"""
+from __future__ import annotations
+
+import re
+
+GiB = 2 ** 30
+
+# Fitted on one H200 (the 1.42 B GPT, 19 peaks: bench/results/gpu/memory and the earlier launch.yml
+# runs of bench/results/gpu): the median of measured max_memory_allocated minus the prediction
+# without it (range 62-85 MiB). See docs/memory.md.
+OVERHEAD_BYTES = 65 * 2 ** 20
+
+# DeepSpeed's defaults for the settings the buffers depend on (deepspeed/runtime/zero/config.py)
+# and the values of the repo's templates/ds_config presets (overlap_comm and contiguous_gradients
+# on, 5e8-element reduce buckets, 1e9 live ZeRO-3 parameters).
+REDUCE_BUCKET_SIZE = 500_000_000
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ATTENTIONS = ("sdpa", "eager")
+
+
+# --- the model's shape ----------------------------------------------------------------------------
+
+def model_shape(layers: int, hidden: int, heads: int, vocab: int, seq_len: int, *, tied: bool = False,
+                params: int | None = None, largest_layer_params: int | None = None,
+                largest_param: int | None = None) -> dict:
+    """The shape the prediction needs. Parameter counts default to train/model.py's Transformer:
+    token and learned position embeddings, blocks of qkv/proj/fc/out without bias and two
+    LayerNorms, a final LayerNorm and an untied output layer (tied=True drops it)."""
+    per_layer = 12 * hidden * hidden + 4 * hidden
+    if params is None:
+        params = vocab * hidden + seq_len * hidden + layers * per_layer + 2 * hidden
+        params += 0 if tied else vocab * hidden
+    biggest = max(vocab * hidden, seq_len * hidden, 4 * hidden * hidden)
+    return {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq_len,
+            "tied": tied, "params": int(params), "layer_params": per_layer,
+            # DeepSpeed's model_to_params: the module with the most parameters of its own.
+            "largest_layer_params": int(largest_layer_params if largest_layer_params is not None else biggest),
+            # the largest single tensor (ZeRO-1/2 offload's GPU staging buffer is this big).
+            "largest_param": int(largest_param if largest_param is not None else biggest)}
+
+
+def shape_from_config(cfg) -> dict:
+    """train.config.Config (or anything with layers_dim_heads(), effective_vocab(), seq_len)."""
+    layers, dim, heads = cfg.layers_dim_heads()
+    return model_shape(layers, dim, heads, cfg.effective_vocab(), cfg.seq_len)
+
+
+# --- DeepSpeed's estimators, in closed form ---------------------------------------------------------
+
+def ds_zero2_estimate(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+                      additional_buffer_factor=1.5):
+    """deepspeed 0.19.8 stage_1_and_2.estimate_zero2_model_states_mem_needs: (cpu, gpu) bytes."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        # 2 = 16-bit params; 18 = 16-bit grads 2 + fp32 grads 4 + fp32 params 4 + Adam m, v 8
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def ds_zero3_estimate(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1,
+                      cpu_offload=True, cpu_offload_params=True, zero_init=True,
+                      additional_buffer_factor=1.5):
+    """deepspeed 0.19.8 stage3.estimate_zero3_model_states_mem_needs: (cpu, gpu, largest layer) bytes."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            if zero_init:
+                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            if zero_init:
+                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def model_states(params, largest_layer_params, stage, offload_optimizer, offload_param,
+                 gpus_per_node, nodes) -> dict:
+    """DeepSpeed's model-state estimate per GPU (and per node on the CPU), as train/run.py reports it."""
+    world = gpus_per_node * nodes
+    if stage == 3:
+        cpu, gpu, _ = ds_zero3_estimate(params, largest_layer_params, gpus_per_node, nodes,
+                                        cpu_offload=offload_optimizer, cpu_offload_params=offload_param,
+                                        zero_init=True)
+        how = "estimate_zero3_model_states_mem_needs"
+    elif stage == 2:
+        cpu, gpu = ds_zero2_estimate(params, gpus_per_node, nodes, cpu_offload=offload_optimizer)
+        how = "estimate_zero2_model_states_mem_needs"
+    else:
+        # DeepSpeed ships no estimator for stages 0/1: the ZeRO paper's 16 bytes/param split.
+        gpu = 16 * params if stage == 0 else 4 * params + 12 * params / world
+        cpu, how = 0, "zero-paper formula (16 bytes/param)"
+    return {"method": how, "params": int(params), "gpu_bytes": int(gpu), "cpu_bytes": int(cpu)}
+
+
+# --- the ZeRO settings the buffers depend on --------------------------------------------------------
+
+def zero_settings(preset) -> dict:
+    """A preset name of templates/ds_config (zero0..zero3, -offload: optimizer offload, and for
+    ZeRO-3 parameter offload too, with the templates' buffer sizes) or a merged ds_config dict."""
+    if isinstance(preset, str):
+        m = re.fullmatch(r"zero([0-3])(-offload)?", preset)
+        if not m:
+            raise ValueError(f"preset {preset!r}: expected zero0..zero3 with an optional -offload, "
+                             f"or a ds_config dict")
+        stage, off = int(m.group(1)), bool(m.group(2))
+        return {"stage": stage, "offload_optimizer": off, "offload_param": off and stage == 3,
+                "overlap_comm": True, "contiguous_gradients": True,
+                "reduce_bucket_size": REDUCE_BUCKET_SIZE, "max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS}
+    zero = dict(preset.get("zero_optimization") or {})
+    stage = int(zero.get("stage", 0))
+
+    def offloaded(key):
+        return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+    overlap = zero.get("overlap_comm")
+    return {"stage": stage, "offload_optimizer": offloaded("offload_optimizer"),
+            "offload_param": offloaded("offload_param") and stage == 3,
+            "overlap_comm": bool(stage == 3 if overlap is None else overlap),
+            "contiguous_gradients": bool(zero.get("contiguous_gradients", True)),
+            "reduce_bucket_size": int(float(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE))),
+            "max_live_parameters": int(float(zero.get("stage3_max_live_parameters", STAGE3_MAX_LIVE_PARAMETERS)))}
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+def activation_bytes(shape: dict, micro_batch: int, precision: str = "bf16", attention: str = "sdpa",
+                     checkpointing: bool = False, dropout: bool = False) -> dict:
+    """Bytes saved for backward at the end of the forward (logits apart).
+
+    Per block (train/model.py's Block), in elements of s*b*h: the block input (LayerNorm 1's
+    input) 1, LayerNorm 1's output (qkv's input) 1, the qkv output (q, k, v as saved by attention)
+    3, the attention output (proj's input) 1, the residual sum (LayerNorm 2's input) 1, LayerNorm
+    2's output (fc's input) 1, fc's output (GELU's input) 4, GELU's output (out's input) 4: 16,
+    i.e. 32*s*b*h bytes in 16-bit: Korthikanti et al.'s 34 less their two dropout masks (1 byte
+    each; dropout=True adds them back). Plain softmax attention ("eager") also keeps the
+    probabilities, a*s*s*b elements (with dropout also the mask and the dropped-out copy: 5 bytes
+    in 16-bit, their 5*a*s/h term); scaled_dot_product_attention ("sdpa": flash, memory-efficient
+    or cuDNN kernels) keeps only a fp32 log-sum-exp per row. Small fp32 terms: two LayerNorms'
+    mean and rstd per token. With activation checkpointing (each block, non-reentrant), a block
+    keeps only its input, and one block at a time is recomputed in the backward."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTIONS)}")
+    p = PRECISION_BYTES[precision]
+    s, b, h, a, L = shape["seq_len"], micro_batch, shape["hidden"], shape["heads"], shape["layers"]
+    sbh = s * b * h
+    per_layer = 16 * p * sbh + (2 * sbh if dropout else 0) + 16 * s * b
+    if attention == "eager":
+        per_layer += a * s * s * b * ((2 * p + 1) if dropout else p)
+    else:
+        per_layer += 4 * a * s * b
+    stored = L * p * sbh if checkpointing else L * per_layer
+    return {"per_layer": per_layer,
+            "layers": stored,
+            # one block recomputed at a time in the backward (checkpointing only)
+            "recompute": per_layer if checkpointing else 0,
+            # final LayerNorm: its input and its output (the output layer's input); token ids
+            # (embedding) and targets (cross-entropy), int64
+            "head": 2 * p * sbh + 16 * s * b}
+
+
+def logits_bytes(shape: dict, micro_batch: int, precision: str = "bf16", logits_fp32: bool = True) -> int:
+    """The cross-entropy's backward, the first thing the backward runs: the saved log-softmax
+    output, the gradient arriving from nll_loss and the one log-softmax's backward writes, each
+    s*b*V in the loss's precision (fp32 where the model casts logits with .float())."""
+    ce = 4 if logits_fp32 else PRECISION_BYTES[precision]
+    return 3 * ce * shape["seq_len"] * micro_batch * shape["vocab"]
+
+
+# --- the prediction ------------------------------------------------------------------------------
+
+def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: int, *,
+            precision: str = "bf16", attention: str = "sdpa", activation_checkpointing: bool = False,
+            dropout: bool = False, logits_fp32: bool = True, overhead: int = OVERHEAD_BYTES) -> dict:
+    """Peak torch.cuda.max_memory_allocated() per GPU of a training step, with its parts.
+
+    shape: model_shape(...); preset: a preset name or the merged ds_config; world: ranks in all;
+    gpus_per_node: ranks per node. Returns total (bytes), parts (bytes, summing to total), how
+    (a line per part), phase (the moment of the peak) and phases (each moment's total),
+    model_states (DeepSpeed's estimate, GPU and CPU), inputs."""
+    if micro_batch < 1 or world < 1 or gpus_per_node < 1:
+        raise ValueError("micro_batch, world and gpus_per_node must be positive")
+    z = zero_settings(preset)
+    nodes = max(1, -(-world // gpus_per_node))
+    W, N, P = world, shape["params"], shape["largest_param"]
+    p = PRECISION_BYTES[precision]
+    mixed = p == 2
+    master_adam = (4 if mixed else 0) + 8     # fp32 master copy + Adam's m and v, bytes/param
+    fp32_grad = 4 if mixed else 0             # the fp32 gradient partition built for the step
+    est = model_states(N, shape["largest_layer_params"], z["stage"], z["offload_optimizer"],
+                       z["offload_param"], gpus_per_node, nodes)
+    act = activation_bytes(shape, micro_batch, precision, attention, activation_checkpointing, dropout)
+    logits = logits_bytes(shape, micro_batch, precision, logits_fp32)
+    buckets = (2 if z["overlap_comm"] else 1) * p * z["reduce_bucket_size"] if z["contiguous_gradients"] else 0
+    stage, off_opt, off_par = z["stage"], z["offload_optimizer"], z["offload_param"]
+
+    # resident: what is allocated whenever the activations are (after the first optimizer step);
+    # extra: what the first gradient adds (ZeRO-1/2 buckets); step: the optimizer step's total.
+    if stage == 3:
+        bucket3 = p * z["reduce_bucket_size"] if z["contiguous_gradients"] else 0
+        gather = 0 if (W == 1 and not off_par) else p * min(z["max_live_parameters"], N)
+        if off_par:
+            states, how_states = 0, "parameters and optimizer on the CPU"
+        elif off_opt:
+            states, how_states = p * N // W, "16-bit parameter partitions"
+        else:
+            states = (2 * p + master_adam) * N // W
+            how_states = "16-bit parameter and gradient partitions, fp32 master and Adam m, v: " \
+                         f"{2 * p + master_adam} bytes/param / world"
+        buffers = bucket3 + gather
+        how_buf = (f"reduce bucket {z['reduce_bucket_size']:.3g} x {p} B"
+                   + (f" + gathered parameters {min(z['max_live_parameters'], N):.3g} x {p} B "
+                      "(stage3_max_live_parameters)" if gather else
+                      " (one rank: gathering a parameter is a view of its partition)"))
+        first_grad_extra, how_extra = p * P, "the largest gradient before it reaches the bucket"
+        # the step: the fp32 gradient partition and one fp32 temporary of the largest tensor
+        step_states = states + ((fp32_grad * N // W + 4 * P) if not off_opt else 0)
+    elif off_opt:  # ZeRO-1/2 with the optimizer on the CPU
+        states, how_states = p * N, "16-bit parameters"
+        buffers, how_buf = p * P, f"GPU staging buffer for offloaded gradients ({P:.3g} x {p} B)"
+        first_grad_extra, how_extra = buckets + p * P, "reduce buckets allocated at the first gradient"
+        step_states = states
+    else:  # ZeRO-0/1/2
+        states = p * N + master_adam * (N if stage == 0 else N // W)
+        how_states = f"16-bit parameters + fp32 master and Adam m, v ({master_adam} bytes/param" \
+                     + (")" if stage == 0 else " / world)")
+        buffers, how_buf = 0, "none live at the activation peak"
+        if stage == 0:
+            first_grad_extra, how_extra = p * P, "the first gradient"
+            step_states = states + p * N + (p + fp32_grad) * N  # grads, flattened copy, fp32 grads
+        else:
+            first_grad_extra, how_extra = buckets + p * P, "reduce buckets allocated at the first gradient"
+            # the step: 16-bit gradient partition, its flattened copy and the fp32 copy (measured
+            # 22 bytes/param in all on one GPU; DeepSpeed's estimate counts 20)
+            step_states = states + (2 * p + fp32_grad) * N // W
+
+    live_acts = act["layers"] + act["head"]
+    phases = {
+        "backward": states + buffers + live_acts + logits,
+        "first-gradient": states + buffers + live_acts + act["recompute"] + first_grad_extra,
+        "step": step_states + (buffers if stage == 3 else 0),
+    }
+    phase = max(phases, key=lambda k: phases[k])
+    gpu_est = est["gpu_bytes"]
+    if phase == "backward":
+        parts = {"model_states": gpu_est, "states_adjust": states - gpu_est, "zero_buffers": buffers,
+                 "activations": live_acts, "logits": logits}
+    elif phase == "first-gradient":
+        parts = {"model_states": gpu_est, "states_adjust": states - gpu_est,
+                 "zero_buffers": buffers + first_grad_extra,
+                 "activations": phases[phase] - states - buffers - first_grad_extra, "logits": 0}
+    else:
+        parts = {"model_states": gpu_est, "states_adjust": phases["step"] - gpu_est
+                 - (buffers if stage == 3 else 0),
+                 "zero_buffers": buffers if stage == 3 else 0, "activations": 0, "logits": 0}
+    parts["overhead"] = int(overhead)
+    parts = {k: int(v) for k, v in parts.items()}
+    total = sum(parts.values())
+    s, b, h = shape["seq_len"], micro_batch, shape["hidden"]
+    ckpt = activation_checkpointing
+    how = {
+        "model_states": f"{est['method']}(params={N}, gpus_per_node={gpus_per_node}, nodes={nodes}"
+                        + (f", largest_layer={shape['largest_layer_params']}" if stage == 3 else "")
+                        + f", offload_optimizer={off_opt}" + (f", offload_param={off_par}" if stage == 3 else "")
+                        + ")",
+        "states_adjust": (f"resident at the peak ({phase}): {how_states}" if phase != "step" else
+                          "at the optimizer step: the states plus the 16-bit gradients, their "
+                          "flattened copy and the fp32 copy")
+                         + "; minus DeepSpeed's estimate",
+        "zero_buffers": how_buf + (f"; + {how_extra}" if phase == "first-gradient" else ""),
+        "activations": (f"{s}x{b}x{h} tokens x hidden: " +
+                        (f"{shape['layers']} layers x {act['per_layer']} B (16 x {p} B/element saved per "
+                         f"block, attention {attention}" + (", dropout" if dropout else "") + ")"
+                         if not ckpt else
+                         f"checkpointing: {shape['layers']} block inputs x {p} B + one block recomputed")
+                        + f" + final LayerNorm {act['head']} B" if phase != "step" else "freed at the step"),
+        "logits": (f"3 x s*b*V x {4 if logits_fp32 else p} B (log-softmax output, its gradient in and out)"
+                   if phase == "backward" else "not live at this phase"),
+        "overhead": "constant fitted on one H200 (docs/memory.md)",
+    }
+    return {"total": total, "total_gib": round(total / GiB, 2), "phase": phase,
+            "phases": {k: int(v) + int(overhead) for k, v in phases.items()},
+            "parts": parts, "how": how,
+            "model_states": est,
+            "inputs": {"preset": preset if isinstance(preset, str) else "ds_config", "zero": z,
+                       "micro_batch": micro_batch, "world": world, "gpus_per_node": gpus_per_node,
+                       "precision": precision, "attention": attention,
+                       "activation_checkpointing": ckpt, "dropout": dropout, "logits_fp32": logits_fp32,
+                       "shape": dict(shape)}}
+
+
+def main(argv=None):
+    """python -m train.memory --size 1.3b --seq-len 2048 --preset zero2 --micro-batch 8"""
+    import argparse
+    import json
+
+    from train.config import SIZES
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--size", default="1.3b", choices=sorted(SIZES))
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--preset", default="zero2")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=1)
+    ap.add_argument("--precision", default="bf16", choices=sorted(PRECISION_BYTES))
+    ap.add_argument("--checkpointing", action="store_true")
+    a = ap.parse_args(argv)
+    shape = model_shape(*SIZES[a.size], a.vocab, a.seq_len)
+    r = predict(shape, a.preset, a.micro_batch, a.world, a.gpus_per_node, precision=a.precision,
+                activation_checkpointing=a.checkpointing)
+    print(json.dumps({k: r[k] for k in ("total_gib", "phase", "parts", "how")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
