@@ -403,12 +403,14 @@ def interfaces():
 
 
 def gpus():
-    rc, out, _ = run(["nvidia-smi", "--query-gpu=index,compute_cap,driver_version",
-                      "--format=csv,noheader"], timeout=30)
+    rc, out, _ = run(["nvidia-smi", "--query-gpu=index,compute_cap,driver_version,memory.total",
+                      "--format=csv,noheader,nounits"], timeout=30)
     if rc != 0:
         return []
     rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
-    return [{"index": r[0], "compute_cap": r[1], "driver": r[2]} for r in rows if len(r) >= 3]
+    return [{"index": r[0], "compute_cap": r[1], "driver": r[2],
+             "memory_mib": int(r[3]) if len(r) > 3 and r[3].isdigit() else None}
+            for r in rows if len(r) >= 3]
 
 
 def probe(argv):

@@ -32,6 +32,31 @@ def _load():
     return module
 
 
+def _load_config():
+    name, path = "dsc_train_config", os.path.normpath(os.path.join(os.path.dirname(_PATH), "config.py"))
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def train_shape(train_config: dict) -> tuple[dict, bool]:
+    """(shape, activation checkpointing) of train.run's model for a dsc_train_config (its
+    defaults for what is not given; train/config.py, loaded by its path). ValueError names an
+    unknown key or size."""
+    config = _load_config()
+    known = {f.name for f in config.fields(config.Config)}
+    unknown = sorted(set(train_config) - known)
+    if unknown:
+        raise ValueError(f"unknown dsc_train_config keys {unknown}")
+    cfg = config.Config(**train_config)
+    if cfg.size not in config.SIZES:
+        raise ValueError(f"dsc_train_config size {cfg.size!r} is not one of {', '.join(config.SIZES)}")
+    return _memory.shape_from_config(cfg), bool(cfg.activation_checkpointing)
+
+
 _memory = _load()
 GiB = _memory.GiB
 OVERHEAD_BYTES = _memory.OVERHEAD_BYTES
@@ -45,6 +70,6 @@ activation_bytes = _memory.activation_bytes
 logits_bytes = _memory.logits_bytes
 predict = _memory.predict
 
-__all__ = ["GiB", "OVERHEAD_BYTES", "model_shape", "shape_from_config", "ds_zero2_estimate",
+__all__ = ["train_shape", "GiB", "OVERHEAD_BYTES", "model_shape", "shape_from_config", "ds_zero2_estimate",
            "ds_zero3_estimate", "model_states", "zero_settings", "activation_bytes", "logits_bytes",
            "predict"]

@@ -69,7 +69,7 @@ RUN_OPTIONS = (
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
     "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_resume_args",
     "dsc_launcher_args", "dsc_stall_timeout_s", "dsc_stall_fail", "plot_runs",
-    "dsc_tensorboard",
+    "dsc_tensorboard", "dsc_model_shape",
 )
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
@@ -515,6 +515,9 @@ def _nodes(names, hostvars, defaults, probes, problems):
             "hostfile_slots": len(gpus) if gpu_ids else int(slots),
             "compute_caps": sorted({str(g.get("compute_cap", "")) for g in gpus} - {""}),
             "driver": (gpus[0].get("driver") if gpus else "") or "",
+            # The smallest of the GPUs used (MiB; None where nvidia-smi did not say): preset=auto.
+            "gpu_memory_mib": min((g.get("memory_mib") or 0 for g in gpus
+                                   if not gpu_ids or int(g.get("index", -1)) in gpu_ids), default=0) or None,
             "iface": interface_for(addr, probe.get("interfaces") or {}),
             "infiniband": bool(probe.get("infiniband")), "reachable": reachable,
             # The node helper installed there is this repository's (else launch installs it).
@@ -950,20 +953,118 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
     return {plan["master"]: launcher + program}
 
 
+# preset=auto: the candidates, fastest first at one micro-batch (measured on H200s: zero1 and
+# zero2 within a few per cent, zero3 slower on two GPUs; offload about 3x slower, the last resort),
+# the micro-batches tried (largest first: throughput grew with it), and the room a prediction of
+# max_memory_allocated needs (docs/memory.md: reserved ran up to 1.29x allocated; the CUDA context
+# and NCCL's buffers are outside the allocator).
+AUTO_PRESETS = ("zero1", "zero2", "zero3")
+AUTO_OFFLOAD = ("zero2-offload", "zero3-offload")
+AUTO_MICRO_BATCHES = (32, 16, 8, 4, 2, 1)
+AUTO_FACTOR, AUTO_RESERVE_MIB = 1.3, 1536
+MODEL_SHAPE_KEYS = ("layers", "hidden", "heads", "vocab", "seq_len")
+
+
+def _model_shape(opt, entry, problems):
+    """(shape, activation checkpointing) for preset=auto: train.run's from dsc_train_config, a
+    script's from dsc_model_shape (nothing else tells the size of a user's model)."""
+    import dsc_memory
+    given = opt.get("dsc_model_shape") or {}
+    if given:
+        if not isinstance(given, dict) or sorted(set(given) - {"activation_checkpointing"}) != sorted(MODEL_SHAPE_KEYS) \
+                or not all(_is_int(given[k]) and int(given[k]) > 0 for k in MODEL_SHAPE_KEYS):
+            problems.add(f"dsc_model_shape is {given!r}. Fix: a mapping of {', '.join(MODEL_SHAPE_KEYS)} "
+                         f"(positive whole numbers), optionally activation_checkpointing: true.")
+            return None, False
+        return (dsc_memory.model_shape(**{k: int(given[k]) for k in MODEL_SHAPE_KEYS}),
+                as_bool(given.get("activation_checkpointing", False)))
+    if entry["script"] or entry["module"] != "train.run":
+        problems.add(f"preset=auto for {entry['script'] or entry['module']} needs the model's shape. Fix: "
+                     f"-e '{{\"dsc_model_shape\": {{\"layers\": 24, \"hidden\": 2048, \"heads\": 16, "
+                     f"\"vocab\": 50304, \"seq_len\": 2048}}}}' (yours), or a preset.")
+        return None, False
+    try:
+        return dsc_memory.train_shape(opt["dsc_train_config"] or {})
+    except (ValueError, TypeError) as e:
+        problems.add(f"preset=auto: dsc_train_config gives no model: {e}. Fix: train/config.py's keys.")
+        return None, False
+
+
+def _auto_preset(plan, opt, options, paths, entry, problems):
+    """preset=auto: the first candidate (AUTO_PRESETS at each micro-batch, largest first, then the
+    offload presets) whose predicted peak per GPU (train/memory.py) x AUTO_FACTOR + AUTO_RESERVE
+    fits the smallest GPU of the cluster; (preset, micro-batch, the reason as lines), or Nones."""
+    import dsc_memory
+    if plan["accelerator"] != "cuda":
+        problems.add("preset=auto chooses by GPU memory and the cluster has CPU nodes. Fix: name a "
+                     "preset (-e preset=zero2).")
+        return None, None, []
+    sizes = [n["gpu_memory_mib"] for n in plan["nodes"]]
+    if not all(sizes):
+        problems.add("preset=auto: nvidia-smi did not report the GPUs' memory on every node. Fix: "
+                     "name a preset.")
+        return None, None, []
+    shape, ckpt = _model_shape(opt, entry, problems)
+    if shape is None:
+        return None, None, []
+    smallest = min(sizes)
+    node = next(n["name"] for n in plan["nodes"] if n["gpu_memory_mib"] == smallest)
+    fixed = "dsc_micro_batch" in options
+    micro_batches = [int(opt["dsc_micro_batch"])] if fixed and _is_int(opt["dsc_micro_batch"]) else AUTO_MICRO_BATCHES
+    dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
+    bits = "bf16" if dtype["bf16"]["enabled"] else "fp16"
+    per_node = max(n["slots"] for n in plan["nodes"])
+    overrides = opt["dsc_ds_config_overrides"] if isinstance(opt["dsc_ds_config_overrides"], dict) else {}
+    tried = []
+    for group in (AUTO_PRESETS, AUTO_OFFLOAD):
+        for mb in micro_batches:
+            sizes_mb = batch(mb, opt["dsc_grad_accum"] if "dsc_grad_accum" in options else None,
+                             opt["dsc_train_batch"] if "dsc_train_batch" in options else None, plan["world_size"])
+            if "error" in sizes_mb:
+                continue
+            for name in group:
+                config = ds_config(paths["templates"], name, plan["accelerator"],
+                                   [c for n in plan["nodes"] for c in n["compute_caps"]], sizes_mb, overrides)
+                need = dsc_memory.predict(shape, config, mb, plan["world_size"], per_node, precision=bits,
+                                          activation_checkpointing=ckpt)["total"]
+                want = need / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
+                tried.append(f"{name} micro-batch {mb}: predicted {need / 2**30:.1f} GiB, wants "
+                             f"{want / 1024:.1f} GiB")
+                if want <= smallest:
+                    reason = [f"preset=auto chose {name} at micro-batch {mb}: predicted peak "
+                              f"{need / 2**30:.1f} GiB per GPU (train/memory.py), x{AUTO_FACTOR} + "
+                              f"{AUTO_RESERVE_MIB / 1024:.1f} GiB = {want / 1024:.1f} GiB, within the "
+                              f"smallest GPU ({node}: {smallest / 1024:.1f} GiB)."] + \
+                             [f"  no room: {t}" for t in tried[:-1][-6:]]
+                    return name, mb, reason
+    problems.add(f"preset=auto: nothing fits the smallest GPU ({node}: {smallest / 1024:.1f} GiB), "
+                 f"not even {tried[-1] if tried else 'micro-batch 1'}. Fix: more GPUs, activation "
+                 f"checkpointing, a shorter sequence, or a smaller model.")
+    return None, None, []
+
+
 def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True):
     """The run's part of the plan: id, directory, ds_config, files and the launcher command."""
     opt = _run_options(options, defaults, runs_seen)
     resume = as_bool(opt["resume"])
     known = presets(paths["templates"])
     preset = str(opt["preset"])
-    if preset not in known:
+    entry = _entry(opt, paths, problems)
+    auto = []
+    if preset == "auto" and not resume and plan["world_size"] is not None:
+        chosen, micro_batch, auto = _auto_preset(plan, opt, options, paths, entry, problems)
+        if chosen:
+            # launch.json keeps the choice: resume and restarts take the same preset and batch.
+            preset = opt["preset"] = chosen
+            opt["dsc_micro_batch"] = micro_batch
+            options = dict(options, dsc_micro_batch=micro_batch)
+    elif preset not in known:
         problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
                      f"templates/ds_config/{preset}.json).")
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not _is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
-    entry = _entry(opt, paths, problems)
     overrides = opt["dsc_ds_config_overrides"] or {}
     if not isinstance(overrides, dict):
         problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
@@ -1011,7 +1112,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
                    else "fp16" if dtype["fp16"]["enabled"] else "no")
     hostfile, env_text = _rendered(paths, plan, env, problems)
     return {
-        "id": run_id, "dir": run_dir, "preset": preset, "resume": resume,
+        "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,
         "replace": as_bool(opt["replace"]), "dry_run": as_bool(opt["dry_run"]),
         "follow": as_bool(opt["follow"]), "preflight": as_bool(opt["preflight"]),
         "max_restarts": int(opt["max_restarts"]),

@@ -670,3 +670,55 @@ def test_jinja_in_an_extra_var_is_refused_wherever_it_hides():
     assert [p.split(" holds")[0] for p in problems] == ["run_id", "dsc_train_config.data_path", "dsc_entry_args[1]"]
     assert all("Fix: pass the plain value" in p for p in problems)
     assert dsc_plan.literal_extra_vars({"run_id": "r1", "x": {"y": [1, "z"]}}) == []
+
+
+def gpus_of(memory_mib, n=1, gpus=1):
+    hostvars, groups, probes = cluster(n, slots=gpus, gpus=gpus)
+    for p in probes.values():
+        for g in p["gpus"]:
+            g["memory_mib"] = memory_mib
+    return hostvars, groups, probes
+
+
+def auto_plan(memory_mib, options, n=1, gpus=1):
+    hostvars, groups, probes = gpus_of(memory_mib, n, gpus)
+    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, options, now="20261130-000000",
+                              full_run=True)
+
+
+GPT_1_3B = {"size": "1.3b", "seq_len": 2048}
+
+
+def test_preset_auto_takes_the_largest_micro_batch_that_fits_and_says_why():
+    p, errors = auto_plan(143771, {"preset": "auto", "dsc_train_config": GPT_1_3B})  # one H200
+    assert errors == [], errors
+    run = p["run"]
+    # measured on the H200: micro-batch 16 peaks at 85.3 GiB (x1.3 + 1.5 = 112 GiB fits), 32 does not
+    assert (run["preset"], run["batch"]["micro_batch"]) == ("zero1", 16), run["auto"]
+    assert run["auto"][0].startswith("preset=auto chose zero1 at micro-batch 16: predicted peak")
+    assert "within the smallest GPU (node1: 140.4 GiB)" in run["auto"][0]
+    assert json.loads(run["files"]["launch.json"])["preset"] == "zero1"  # resume keeps the choice
+    assert run["id"].startswith("zero1-")
+
+
+def test_preset_auto_falls_back_to_sharding_then_offload_on_small_gpus():
+    p, errors = auto_plan(24576, {"preset": "auto", "dsc_train_config": GPT_1_3B})  # a 24 GiB GPU
+    assert errors == [] and p["run"]["preset"] in ("zero2-offload", "zero3-offload"), p["run"]["auto"]
+    p, errors = auto_plan(143771, {"preset": "auto", "dsc_micro_batch": 4, "dsc_train_config": GPT_1_3B})
+    assert errors == [] and p["run"]["batch"]["micro_batch"] == 4  # a given micro-batch is kept
+    p, errors = auto_plan(8192, {"preset": "auto", "dsc_train_config": dict(GPT_1_3B, seq_len=8192)})
+    assert any("preset=auto: nothing fits the smallest GPU (node1: 8.0 GiB)" in e for e in errors), errors
+
+
+def test_preset_auto_needs_gpus_and_a_users_script_needs_its_models_shape():
+    p, errors = plan(options={"preset": "auto"}, full_run=True)  # CPU nodes
+    assert any("preset=auto chooses by GPU memory and the cluster has CPU nodes" in e for e in errors), errors
+    script = {"preset": "auto", "dsc_code_dir": str(ROOT / "tests" / "fixtures" / "scripts" / "clm"),
+              "dsc_entry_script": "run_clm.py"}
+    p, errors = auto_plan(143771, script)
+    assert any("preset=auto for run_clm.py needs the model's shape" in e for e in errors), errors
+    shape = {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq_len": 1024}
+    p, errors = auto_plan(143771, dict(script, dsc_model_shape=shape))
+    assert errors == [] and p["run"]["preset"] == "zero1", errors
+    p, errors = auto_plan(143771, dict(script, dsc_model_shape={"layers": 12}))
+    assert any(e.startswith("dsc_model_shape is {'layers': 12}") for e in errors), errors
