@@ -20,22 +20,12 @@ _NAME = "dsc_train_memory"
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train", "memory.py")
 
 
-def _load():
-    if _NAME in sys.modules:
-        return sys.modules[_NAME]
-    spec = importlib.util.spec_from_file_location(_NAME, os.path.normpath(_PATH))
-    if spec is None or spec.loader is None:
-        raise ImportError(f"dsc_memory: cannot load {os.path.normpath(_PATH)}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_NAME] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _load_config():
-    name, path = "dsc_train_config", os.path.normpath(os.path.join(os.path.dirname(_PATH), "config.py"))
+def _load_file(name, path):
+    """A file of train/ as a module under a private name (loaded once)."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
+        spec = importlib.util.spec_from_file_location(name, os.path.normpath(path))
+        if spec is None or spec.loader is None:
+            raise ImportError(f"dsc_memory: cannot load {os.path.normpath(path)}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -46,7 +36,7 @@ def train_shape(train_config: dict) -> tuple[dict, bool]:
     """(shape, activation checkpointing) of train.run's model for a dsc_train_config (its
     defaults for what is not given; train/config.py, loaded by its path). ValueError names an
     unknown key or size."""
-    config = _load_config()
+    config = _load_file("dsc_train_config", os.path.join(os.path.dirname(_PATH), "config.py"))
     known = {f.name for f in config.fields(config.Config)}
     unknown = sorted(set(train_config) - known)
     if unknown:
@@ -57,7 +47,7 @@ def train_shape(train_config: dict) -> tuple[dict, bool]:
     return _memory.shape_from_config(cfg), bool(cfg.activation_checkpointing)
 
 
-_memory = _load()
+_memory = _load_file(_NAME, _PATH)
 GiB = _memory.GiB
 OVERHEAD_BYTES = _memory.OVERHEAD_BYTES
 model_shape = _memory.model_shape
