@@ -243,6 +243,20 @@ class Cluster:
         return [p["pid"] for p in self.procs(node, run_id) or []
                 if f"entry {program}" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
 
+    def complete_steps(self, node, run_id, root=RUNS):
+        """The steps of a train.run run's complete checkpoints on a node."""
+        r = self.exec(node, f"cd {root}/{run_id}/checkpoints 2>/dev/null && ls -d step*/COMPLETE "
+                            "| sed 's/step//; s,/COMPLETE,,'", check=False)
+        return {int(x) for x in r.stdout.split()}
+
+    def wait_checkpoint(self, run_id, at_least, root=RUNS, timeout=300):
+        """The newest step complete on every node, once it is at least `at_least` (train.run keeps
+        only the newest keep_checkpoints: a given early step may be gone before a poll sees it)."""
+        def common():
+            steps = set.intersection(*(self.complete_steps(n, run_id, root) for n in self.names))
+            return max(steps) if steps and max(steps) >= at_least else None
+        return wait(common, timeout, f"a checkpoint of {run_id} at step {at_least} or later on every node", every=1)
+
     def run_status(self, run_id, root=RUNS):
         """The master's status of a run (the node helper's JSON)."""
         return json.loads(self.exec(self.master, f"{HELPER} status {root}/{run_id} {run_id}", user="dstrain").stdout)

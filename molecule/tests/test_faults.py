@@ -28,21 +28,6 @@ def launch(cluster, run_id, steps, save_every, *extra, preset="zero2", follow=Fa
 
 
 
-def complete_steps(cluster, node, run_id):
-    r = cluster.exec(node, f"cd {RUNS}/{run_id}/checkpoints 2>/dev/null && ls -d step*/COMPLETE "
-                           "| sed 's/step//; s,/COMPLETE,,'", check=False)
-    return {int(x) for x in r.stdout.split()}
-
-
-def wait_checkpoint(cluster, run_id, step, timeout=300):
-    wait(lambda: all(step in complete_steps(cluster, n, run_id) for n in cluster.names), timeout,
-         f"checkpoint step{step} of {run_id} on every node", every=1)
-
-
-
-
-
-
 def nothing_left(cluster, nodes, run_id, only_this_run=False):
     """No process of the run (by its marker) and, unless another run is meant to be running, no
     training or launcher process at all on the nodes."""
@@ -51,13 +36,11 @@ def nothing_left(cluster, nodes, run_id, only_this_run=False):
                for n in nodes)
 
 
-
-
 def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster, figures):
     run_id, worker = "f-kill", cluster.names[1]
     try:
         launch(cluster, run_id, 100000, 5)
-        wait_checkpoint(cluster, run_id, 5)
+        cluster.wait_checkpoint(run_id, 5)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         t0 = time.time()
         cluster.exec(worker, f"kill -9 {victim}")
@@ -69,7 +52,7 @@ def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, c
         assert st["failed_node"] == worker and "killed by SIGKILL" in st["first_error"], st
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: failed" in shown.output and f"a rank on {worker} was killed by SIGKILL" in shown.output
-        saved = max(set.intersection(*(complete_steps(cluster, n, run_id) for n in cluster.names)))
+        saved = max(set.intersection(*(cluster.complete_steps(n, run_id) for n in cluster.names)))
         res = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
                                "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={saved + 3}"]}))
         assert res.returncode == 0, res.output[-4000:]
@@ -83,7 +66,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
     run_id, worker = "f-down", cluster.names[1]
     try:
         launch(cluster, run_id, 100000, 5)
-        wait_checkpoint(cluster, run_id, 5)
+        cluster.wait_checkpoint(run_id, 5)
         t0 = time.time()
         subprocess.run(["podman", "stop", "-t", "0", "dsc-" + worker], check=True, capture_output=True)
         wait(lambda: nothing_left(cluster, [cluster.master], run_id), EXIT_BOUND_S["node"],
@@ -167,7 +150,7 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
     run_id, every = "f-ckpt", 4
     try:
         launch(cluster, run_id, 100000, every)
-        wait_checkpoint(cluster, run_id, 2 * every)
+        cluster.wait_checkpoint(run_id, 2 * every)
         now = cluster.run_status(run_id)["last"]["step"]
         stuck = (now // every + 100) * every  # a save a few seconds ahead
         cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
@@ -179,7 +162,7 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
         stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         assert stop.returncode == 0, stop.output[-3000:]
         assert nothing_left(cluster, cluster.names, run_id)
-        complete = set.intersection(*(complete_steps(cluster, n, run_id) for n in cluster.names))
+        complete = set.intersection(*(cluster.complete_steps(n, run_id) for n in cluster.names))
         assert stuck not in complete and max(complete) == stuck - every, sorted(complete)[-3:]
         res = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
                                "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={stuck - 2}"]}))
@@ -197,7 +180,7 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
     try:
         # ~50 tiny steps/s here: long enough that the kill lands mid-run.
         launch(cluster, run_id, 3000, 100, "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
-        wait_checkpoint(cluster, run_id, 100)
+        cluster.wait_checkpoint(run_id, 100)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -9 {victim}")
         st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 400,

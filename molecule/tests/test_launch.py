@@ -1,6 +1,5 @@
 """launch.yml and its companions on the container cluster: 2 nodes x 1 CPU rank, gloo, pdsh."""
 import json
-import time
 
 import pytest
 
@@ -99,12 +98,7 @@ def _stop_and_resume(cluster):
     r = cluster.playbook("launch.yml", "-e", "preset=zero2", "-e", "run_id=t-long",
                          *tc(steps=100000, save_every=10))
     assert r.returncode == 0, r.output[-4000:]
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        done = cluster.exec(cluster.master, "test -f /opt/dscluster/runs/t-long/checkpoints/step10/COMPLETE", check=False)
-        if done.returncode == 0:
-            break
-        time.sleep(2)
+    cluster.wait_checkpoint("t-long", 10)
     assert all(run_procs(cluster, n, "t-long") for n in cluster.names), "ranks should run on every node"
     second = cluster.playbook("launch.yml", "-e", "preset=zero2")
     assert second.returncode != 0 and f"run t-long is active on {cluster.master}" in second.output
@@ -121,9 +115,7 @@ def _stop_and_resume(cluster):
     assert "run t-long: stopped" in status.output
     for n in cluster.names:  # every row from that node's own record, workers included
         assert f"{n}: stopped, ranks alive 0" in status.output, status.output[-3000:]
-    complete = [set(cluster.exec(n, "cd /opt/dscluster/runs/t-long/checkpoints && ls -d step*/COMPLETE "
-                                    "| sed 's/step//; s,/COMPLETE,,'").stdout.split()) for n in cluster.names]
-    saved = max(int(s) for s in set.intersection(*complete))
+    saved = max(set.intersection(*(cluster.complete_steps(n, "t-long") for n in cluster.names)))
     none_active = cluster.playbook("stop.yml")
     assert none_active.returncode != 0 and "No run is active on node1" in none_active.output \
         and "t-long" in none_active.output, none_active.output[-2000:]

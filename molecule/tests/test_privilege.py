@@ -4,8 +4,6 @@ user runs with every interpreter start of that env; it records who ran it."""
 import json
 import shutil
 
-from cluster import wait
-
 PTH = "/opt/dscluster/env/lib/python3.11/site-packages/zz_who_runs_me.pth"
 SEEN = "/tmp/who-ran-the-env"
 
@@ -88,8 +86,7 @@ def test_a_non_root_ansible_user_with_sudo_runs_the_whole_cycle(provisioned, clu
     try:
         r = play("launch.yml", "-e", "run_id=ops-1", *train)
         assert r.returncode == 0 and "ansible_user" not in r.output, r.output[-3000:]
-        wait(lambda: cluster.exec(cluster.master, "test -f /opt/dscluster/runs/ops-1/checkpoints/step10/COMPLETE",
-                                  check=False).returncode == 0, 300, "a checkpoint of ops-1")
+        cluster.wait_checkpoint("ops-1", 10)
         second = play("launch.yml", "-e", "run_id=ops-2")
         assert second.returncode != 0 and "run ops-1 is active" in second.output, second.output[-3000:]
         status = play("status.yml")
@@ -99,9 +96,7 @@ def test_a_non_root_ansible_user_with_sudo_runs_the_whole_cycle(provisioned, clu
         assert stop.returncode == 0, stop.output[-3000:]
         for n in cluster.names:
             assert f"{n}: stopped" in stop.output and cluster.rank_pids(n, "ops-1") == [], n
-        saved = max(set.intersection(*[
-            {int(d[4:]) for d in cluster.exec(n, "cd /opt/dscluster/runs/ops-1/checkpoints && ls -d step*/COMPLETE "
-                                                 "| cut -d/ -f1").stdout.split()} for n in cluster.names]))
+        saved = max(set.intersection(*(cluster.complete_steps(n, "ops-1") for n in cluster.names)))
         resumed = play("resume.yml", "-e", "run_id=ops-1", "-e", "follow=true",
                        "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={saved + 4}"]}))
         assert resumed.returncode == 0 and "finished" in resumed.output, resumed.output[-3000:]

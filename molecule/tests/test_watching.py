@@ -119,8 +119,7 @@ def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provis
            "-e", "max_restarts=1", "-e", "restart_backoff_s=2",
            *e(dsc_train_config=dict(TINY, steps=2000, log_every=10, save_every=200)))
     try:
-        wait(lambda: cluster.exec(worker, f"test -f {RUNS}/{run_id}/checkpoints/step200/COMPLETE",
-                                  check=False).returncode == 0, 300, "checkpoint step200 on the worker")
+        cluster.wait_checkpoint(run_id, 200)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -STOP {victim}")
         st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 600,
