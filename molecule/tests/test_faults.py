@@ -209,7 +209,9 @@ def test_a_full_run_root_fails_the_run_with_its_reason_and_retention_keeps_n(pro
         cluster.exec(n, f"rm -rf {SMALL} && install -d -o dstrain -g dstrain {SMALL}")
 
     def run(run_id, **train):
+        # preflight's disk row wants 20 GiB free: the run's own check before each save is tested
         return cluster.playbook("launch.yml", "-e", f"run_id={run_id}", "-e", f"dsc_run_root={SMALL}",
+                                "-e", "preflight_min_free_gib=0",
                                 "-e", "follow=true", "-e", "max_restarts=1", "-e", "restart_backoff_s=1",
                                 "-e", json.dumps({"dsc_train_config": dict(TINY, **train)}))
     try:
@@ -229,6 +231,7 @@ def test_a_full_run_root_fails_the_run_with_its_reason_and_retention_keeps_n(pro
         for n in cluster.names:
             cluster.exec(n, f"rm -rf {SMALL}/small-full")
         filled = cluster.playbook("launch.yml", "-e", "run_id=small-fill", "-e", f"dsc_run_root={SMALL}",
+                                  "-e", "preflight_min_free_gib=0",
                                   "-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}))
         assert filled.returncode == 0, filled.output[-3000:]
         wait(lambda: (cluster.run_status("small-fill", root=SMALL).get("last") or {}).get("step", 0) > 2, 240,

@@ -75,7 +75,13 @@ class ActionModule(ActionBase):
                                    f"Ansible reaches it (ansible -m ping {name}); every check of "
                                    f"the cluster needs every node.")
                 continue
-            probes[name] = json.loads(probe["stdout"])
+            try:
+                probes[name] = json.loads(probe["stdout"])
+            except ValueError:
+                why = " ".join(str(probe.get("stderr") or probe.get("stdout") or "nothing").split())
+                unreachable.append(f"host {name}: the node probe printed no report ({why[-300:]}). "
+                                   f"Fix: run the probe there by hand (python3 node/dsc_node.py probe) "
+                                   f"and mend what it says.")
         # status.yml shows an unreachable node as such; everything else needs every node.
         allow_unreachable = dsc_plan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
         if unreachable and not allow_unreachable:
