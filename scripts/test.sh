@@ -39,6 +39,6 @@ set +e
 rc=$?
 set -e
 echo "== figures the tests measured (.cache/test-figures.jsonl)"
-cat .cache/test-figures.jsonl 2>/dev/null
+if [ -f .cache/test-figures.jsonl ]; then cat .cache/test-figures.jsonl; else echo "(none: no test that records figures ran)"; fi
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: that is a failure"; exit 1; fi
 exit "$rc"
