@@ -110,18 +110,11 @@ def ds_zero3_estimate(total_params, largest_layer_params, num_gpus_per_node=1, n
     gpus_factor = 1 / num_nodes
     largest_layer_memory = 4 * largest_layer_params
     if cpu_offload:
-        if cpu_offload_params:
-            gpu_mem = largest_layer_memory
-            if zero_init:
-                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
-        else:
-            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
-            if zero_init:
-                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
+        # parameters offloaded too: their 16-bit copy (2 bytes) moves to the CPU as well
+        per_param = 18 if cpu_offload_params else 16
+        gpu_mem = largest_layer_memory + (0 if cpu_offload_params else int(2 * total_params / total_gpus))
+        cpu_per_param = per_param * gpus_factor if zero_init else max(4 * num_gpus_per_node, per_param * gpus_factor)
+        cpu_mem = total_params * cpu_per_param * additional_buffer_factor
     else:
         gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
         if zero_init:

@@ -1011,7 +1011,8 @@ def _auto_preset(plan, opt, options, paths, entry, problems):
     node = next(n["name"] for n in plan["nodes"] if n["gpu_memory_mib"] == smallest)
     fixed = "dsc_micro_batch" in options
     micro_batches = [int(opt["dsc_micro_batch"])] if fixed and _is_int(opt["dsc_micro_batch"]) else AUTO_MICRO_BATCHES
-    dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
+    caps = [c for n in plan["nodes"] for c in n["compute_caps"]]
+    dtype = precision(plan["accelerator"], caps)
     bits = "bf16" if dtype["bf16"]["enabled"] else "fp16"
     per_node = max(n["slots"] for n in plan["nodes"])
     overrides = opt["dsc_ds_config_overrides"] if isinstance(opt["dsc_ds_config_overrides"], dict) else {}
@@ -1023,8 +1024,7 @@ def _auto_preset(plan, opt, options, paths, entry, problems):
             if "error" in sizes_mb:
                 continue
             for name in group:
-                config = ds_config(paths["templates"], name, plan["accelerator"],
-                                   [c for n in plan["nodes"] for c in n["compute_caps"]], sizes_mb, overrides)
+                config = ds_config(paths["templates"], name, plan["accelerator"], caps, sizes_mb, overrides)
                 need = dsc_memory.predict(shape, config, mb, plan["world_size"], per_node, precision=bits,
                                           activation_checkpointing=ckpt)["total"]
                 want = need / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
