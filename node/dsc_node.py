@@ -11,11 +11,12 @@ module pushes it). Every command prints one JSON object.
     dsc_node.py mesh                          # from the master, as the training user: ssh to every node, clocks
     dsc_node.py listen | connect              # hold / reach the master port (preflight's TCP check)
     dsc_node.py write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
-    dsc_node.py start RUN_DIR RUN_ID --run-root DIR --ports FIRST LAST [--replace] [--hosts H1,H2]
-                      [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
+    dsc_node.py start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
+                      [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
                       [--stall-s S] [--stall-fail] -- CMD...
                                               # under a lock: refuse (or replace) an active run, take the
-                                              # first free master port, detach a supervisor that runs CMD,
+                                              # first free master port (--port: the one the master took,
+                                              # no_ssh mode's other nodes), detach a supervisor that runs CMD,
                                               # tears the run down everywhere when a node fails and
                                               # restarts it from its checkpoint (opt-in)
     dsc_node.py procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
@@ -559,6 +560,12 @@ def jit_locks(ext_dir, min_age_s=60.0, now=None):
     run on the node hangs in "Waiting for lock". Read as the lock's owner: a process whose
     directory cannot be read counts as a builder when its name is a compiler's."""
     now = time.time() if now is None else now
+    try:
+        os.listdir(ext_dir)  # glob says nothing of a directory it cannot read
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        return [{"path": str(ext_dir), "error": f"{ext_dir}: {e.strerror}"}]
     locks = list(Path(ext_dir).glob("*/lock")) + list(Path(ext_dir).glob("*/*/lock"))
     if not locks:
         return []
@@ -602,14 +609,34 @@ def owners(paths):
 
 
 def jit_locks_as(ext_dir, user):
-    """jit_locks read as `user` (the builders' owner: root may be denied their /proc entries)."""
+    """jit_locks read as `user` (the builders' owner: root may be denied their /proc entries),
+    in a forked child that drops to that user: no interpreter is executed, so that one the user
+    cannot run (root's own under /root) does not matter."""
     if not ext_dir:
         return []
-    rc, out, err = run([sys.executable, os.path.abspath(__file__), "locks", ext_dir], user=user)
+    drop = become(user)
+    if not drop:
+        return jit_locks(ext_dir)
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(readable)
+        try:
+            drop()
+            found = jit_locks(ext_dir)
+        except Exception as e:  # noqa: BLE001 - reported, not raised, by a child that must _exit
+            found = [{"path": ext_dir, "error": f"{type(e).__name__}: {e}"[:200]}]
+        with os.fdopen(writable, "w") as out:
+            out.write(json.dumps(found))
+        os._exit(0)
+    os.close(writable)
+    with os.fdopen(readable) as got:
+        text = got.read()
+    os.waitpid(pid, 0)
     try:
-        return json.loads(out) if rc == 0 else [{"path": ext_dir, "error": err.strip()[-200:]}]
+        return json.loads(text)
     except ValueError:
-        return [{"path": ext_dir, "error": out.strip()[-200:]}]
+        return [{"path": ext_dir, "error": "the check ended without an answer"}]
 
 
 def remove_stale_locks(ext_dir):
@@ -782,6 +809,19 @@ def ranks_of(ps):
     return [p for p in ps if p.get("ppid") in launchers]
 
 
+def started_by(ps, pid):
+    """The processes among ps that descend from pid (through the ppids that ps records)."""
+    children = {}
+    for p in ps:
+        children.setdefault(p.get("ppid"), []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for p in children.pop(todo.pop(), []):
+            out.append(p)
+            todo.append(p["pid"])
+    return out
+
+
 def signal_all(pids, sig):
     for pid in pids:
         try:
@@ -863,8 +903,11 @@ def first_error(log, offset=0):
 def status(run_dir, run_id):
     run = RunDir(run_dir)
     ps = procs(run_id)
-    ranks = len(ranks_of(ps))
     launcher = pid_alive(run / RunDir.PID)
+    # Where this node's supervisor started ranks itself (one node, or no_ssh mode), its own
+    # ranks, not those of another node on the same host; pdsh's come through sshd.
+    own = ranks_of(started_by(ps, launcher)) if launcher else []
+    ranks = len(own or ranks_of(ps))
     code = (run / RunDir.EXIT).read_text().strip() if (run / RunDir.EXIT).exists() else None
     # A worker has no launcher of its own (pdsh starts its ranks): its ranks say it runs, and
     # the supervisor writes the exit code into every node's run directory when the run ends.
@@ -1158,9 +1201,10 @@ def write_run(run_dir, spec, resume=False):
 
 
 def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_restarts=0,
-          backoff=10.0, resume_args=("--resume",), stall=None):
+          backoff=10.0, resume_args=("--resume",), stall=None, port=None):
     """Under the run root's lock: refuse (or replace) an active run, take the first free master
-    port, then double-fork a supervisor into a new session so that it outlives the Ansible
+    port (or `port`, the one the master took: only the master's rank 0 listens on it), then
+    double-fork a supervisor into a new session so that it outlives the Ansible
     connection; its pid is the run's launcher.pid until the run ends, restarts included."""
     run = RunDir(run_dir)
     lock = open(Path(run_root) / RunDir.LOCK, "a")
@@ -1175,7 +1219,7 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
                               "error": f"run {other['run_id']} is active"}))
             return 4
         teardown(other["run_id"], list(hosts), other["run_dir"])
-    port = free_port(*ports)
+    port = port or free_port(*ports)
     if port is None:
         print(json.dumps({"started": False, "error": f"every master port from {ports[0]} to "
                                                      f"{ports[1]} is in use"}))
@@ -1421,14 +1465,15 @@ def command(argv):
         sep = args.index("--")
         pos, opts = options(args[:sep], flags=("--replace", "--stall-fail"),
                             valued=("--run-root", "--hosts", "--max-restarts", "--backoff",
-                                    "--resume-args", "--stall-s"))
-        return start(pos[0], pos[1], args[sep + 1:], opts["--run-root"], opts["--ports"],
+                                    "--resume-args", "--stall-s", "--port"))
+        return start(pos[0], pos[1], args[sep + 1:], opts["--run-root"], opts.get("--ports"),
                      replace="--replace" in opts,
                      hosts=[h for h in opts.get("--hosts", "").split(",") if h],
                      max_restarts=int(opts.get("--max-restarts", 0)),
                      backoff=float(opts.get("--backoff", 10)),
                      resume_args=json.loads(opts.get("--resume-args", '["--resume"]')),
-                     stall={"timeout_s": float(opts.get("--stall-s", 0)), "fail": "--stall-fail" in opts})
+                     stall={"timeout_s": float(opts.get("--stall-s", 0)), "fail": "--stall-fail" in opts},
+                     port=int(opts["--port"]) if "--port" in opts else None)
     elif cmd == "procs":
         print(json.dumps(procs(args[0])))
     elif cmd == "stop":

@@ -34,6 +34,12 @@ def _iface_matches(name, spec):
     return name.startswith(spec)
 
 
+def _holds(addrs, addr):
+    """Whether an interface with these IPv4 addresses answers on addr: the loopback interface
+    answers on all of 127.0.0.0/8 (two nodes on one host: 127.0.0.1 and 127.0.0.2)."""
+    return addr in addrs or (addr.startswith("127.") and any(a.startswith("127.") for a in addrs))
+
+
 def interface_verdict(node, addr, interfaces, configured):
     """(status, detail, fix) for the interface NCCL and gloo will use on a node."""
     fix_auto = ("unset NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME in dsc_rank_env (the toolkit "
@@ -45,15 +51,15 @@ def interface_verdict(node, addr, interfaces, configured):
             return ("FAIL", f"interface {configured} (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does "
                             f"not exist on {node}; it has {', '.join(sorted(interfaces))}", fix_auto)
         addrs = [x for a in chosen.values() if a for x in a]
-        if all(a is None for a in chosen.values()) or addr in addrs:
+        if all(a is None for a in chosen.values()) or _holds(addrs, addr):
             return ("PASS", f"{', '.join(sorted(chosen))} holds {addr}", "")
         return ("FAIL", f"interface {', '.join(sorted(chosen))} on {node} holds {', '.join(addrs) or 'no IPv4'}, "
                         f"not the training address {addr}", fix_auto)
-    holding = sorted(n for n, a in interfaces.items() if a and addr in a)
+    holding = sorted(n for n, a in interfaces.items() if a and _holds(a, addr))
     if holding:
         return ("PASS", f"{holding[0]} holds {addr}", "")
     if addr.startswith("127."):
-        return ("PASS", f"loopback address {addr} (one-node cluster)", "")
+        return ("PASS", f"loopback address {addr} (nodes on one host)", "")
     return ("FAIL", f"no interface on {node} holds its training address {addr}",
             "set dsc_addr to an address of this node, or add that address to an interface")
 
@@ -116,7 +122,12 @@ def preflight_rows(hostvars, cluster, settings):
                              "start sshd on the node, or fix ansible_host/ansible_port/the key"))
     ok = [n for n in names if reach[n] and probe[n]]
     mesh = hv[master].get("__preflight_mesh") or {}
-    for n in names if len(names) > 1 else []:
+    # no_ssh mode: Ansible starts a launcher on every node; nothing sshes between nodes or
+    # resolves their names (the hostfile's names are only keys there, the master an address).
+    pdsh = cluster.get("launch_mode", "pdsh") == "pdsh"
+    if len(names) > 1 and not pdsh:
+        rows.append(_row("ssh from master", "all", "PASS", "not used: dsc_launch_mode no_ssh"))
+    for n in names if len(names) > 1 and pdsh else []:
         m = mesh.get(n)
         if m is None:
             why = hv[master].get("__preflight_mesh_error") or "the master did not report"
@@ -132,7 +143,7 @@ def preflight_rows(hostvars, cluster, settings):
                              "start sshd there, then re-run provision.yml (keys, known_hosts, "
                              "~/.ssh/config for the training user)"))
     want = {node["name"]: node["addr"] for node in cluster["nodes"]}
-    for n in ok:
+    for n in ok if pdsh else []:
         res = probe[n].get("resolve", {})
         bad = [f"{name} -> {', '.join(res.get(name, ['?']))} (want {addr})"
                for name, addr in want.items() if addr not in res.get(name, [])]

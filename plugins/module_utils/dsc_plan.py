@@ -1065,6 +1065,10 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not _is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
+    if s["dsc_launch_mode"] == "no_ssh" and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
+        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
+                     f"(each node's launcher runs on its own there, and a restart must restart every "
+                     f"node's ranks together: the pdsh mode's supervisor does), or dsc_launch_mode pdsh.")
     overrides = opt["dsc_ds_config_overrides"] or {}
     if not isinstance(overrides, dict):
         problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -206,6 +207,22 @@ def test_start_puts_the_chosen_port_after_the_launcher(tmp_path):
     assert wait_for(root / "r" / "exit_code")
     port = json.loads(r.stdout)["port"]
     assert f"ARGS --master_port {port} --hostfile h train.py" in (root / "r" / "launcher.log").read_text()
+
+
+def test_start_with_the_masters_port_takes_it_even_while_it_is_held(tmp_path):
+    """no_ssh mode: a node other than the master is given the port the master took; only the
+    master's rank 0 listens there, so that it is held (here, on this host) changes nothing."""
+    root = tmp_path / "runs"
+    (root / "r").mkdir(parents=True)
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        r = helper("start", root / "r", "r", "--run-root", root, "--port", taken, "--",
+                   launcher_script(tmp_path, 'echo ARGS "$@"'), "train.py")
+    assert r.returncode == 0 and json.loads(r.stdout)["port"] == taken
+    assert wait_for(root / "r" / "exit_code")
+    assert f"ARGS --master_port {taken} train.py" in (root / "r" / "launcher.log").read_text()
 
 
 def test_probe_reports_interfaces_and_runs(tmp_path):
@@ -440,6 +457,27 @@ def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_dir
         builder.kill()
         builder.wait()
     assert dsc_node.jit_locks(tmp_path / "none") == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
+def test_jit_locks_are_read_as_the_training_user_without_running_an_interpreter(tmp_path):
+    """As root the check drops to the training user in a forked child: root's own interpreter
+    (here this test's, which 'nobody' may not be able to run) is never executed as that user."""
+    import tempfile
+    ext = Path(tempfile.mkdtemp(prefix="dsc-ext-"))
+    try:
+        ext.chmod(0o755)
+        (ext / "cpu_adam").mkdir(mode=0o755)
+        (ext / "cpu_adam" / "lock").write_text("")
+        old = time.time() - 600
+        os.utime(ext / "cpu_adam" / "lock", (old, old))
+        found = dsc_node.jit_locks_as(str(ext), "nobody")
+        assert [(Path(x["path"]).parent.name, x["stale"]) for x in found] == [("cpu_adam", True)]
+        ext.chmod(0o700)  # what the user cannot read is reported, not taken for "no locks"
+        assert dsc_node.jit_locks_as(str(ext), "nobody") == [
+            {"path": str(ext), "error": f"{ext}: Permission denied"}]
+    finally:
+        shutil.rmtree(ext)
 
 
 def test_write_run_refuses_a_run_directory_that_is_a_symbolic_link(tmp_path):

@@ -270,6 +270,13 @@ def test_no_ssh_mode_gives_one_launcher_per_node():
         assert "--no_ssh" in cmd and cmd[cmd.index("--node_rank") + 1] == str(rank)
 
 
+def test_no_ssh_mode_refuses_restarts():
+    p, errors = plan(options={"max_restarts": 2}, full_run=True, dsc_launch_mode="no_ssh")
+    assert any(e.startswith("max_restarts is 2 with dsc_launch_mode no_ssh. Fix: 0") for e in errors)
+    p, errors = plan(options={"max_restarts": 2}, full_run=True)
+    assert errors == []
+
+
 def test_one_node_skips_the_ssh_check():
     p, errors = plan(n=1, options={}, full_run=True)
     assert "--no_ssh_check" in p["run"]["commands"]["node1"]

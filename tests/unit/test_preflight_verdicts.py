@@ -46,6 +46,13 @@ def test_interface_verdicts(configured, interfaces, status):
     assert preflight.interface_verdict("node1", "10.0.0.11", interfaces, configured)[0] == status
 
 
+@pytest.mark.parametrize("addr,configured,status", [
+    ("127.0.0.2", "lo", "PASS"), ("127.0.0.2", "", "PASS"), ("10.0.0.12", "lo", "FAIL")])
+def test_loopback_answers_on_all_of_127_8(addr, configured, status):
+    """Two nodes on one host: the loopback interface holds 127.0.0.1 and answers on 127.0.0.2."""
+    assert preflight.interface_verdict("node2", addr, {"lo": ["127.0.0.1"]}, configured)[0] == status
+
+
 @pytest.mark.parametrize("cuda,driver,status", [("13.0", "580.65.06", "PASS"), ("13.0", "570.1", "FAIL"),
                                                 ("12.8", "525.60.13", "PASS"), ("cpu", "", "PASS")])
 def test_driver_verdicts(cuda, driver, status):
