@@ -12,6 +12,8 @@
 #                      (slots), e.g. "zero2+gpus1 zero2+gpus1+compile+mb12"
 #     REFS             e.g. "ds2 ds3 torch"; ds2x2/ds3x2 run the hand-run reference on 2 GPUs
 #   PREFLIGHT=1 runs preflight.yml (all-reduce across the node's GPUs) after provisioning.
+#   INVENTORY (default inventory/gpu-local), RUNS (where the master's run directories are, default
+#   /opt/dscluster/runs) and PROVISION_ARGS (e.g. "-f 1") let it drive other inventories.
 set -uo pipefail
 wheels=$(realpath "$1"); coll=$(realpath "$2"); ref=$(realpath "$3"); presets=${4:-zero2}; refs=${5:-}
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
@@ -25,11 +27,11 @@ if [ ! -f /tmp/anssite/bin/ansible-playbook ]; then
   mkdir -p /tmp/anssite/collections && tar -C /tmp/anssite/collections -xzf "$coll"
 fi
 export ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels
-ap() { PYTHONPATH=/tmp/anssite $py /tmp/anssite/bin/ansible-playbook -i inventory/gpu-local "$@"; }
+ap() { PYTHONPATH=/tmp/anssite $py /tmp/anssite/bin/ansible-playbook -i "${INVENTORY:-inventory/gpu-local}" "$@"; }
 echo "image TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} (the toolkit renders its own from nvidia-smi)"
 if [ ! -f /tmp/dsc-provision.done ]; then
   t0=$(date +%s.%N)
-  ap provision.yml > "$out/provision.log" 2>&1 || { tail -60 "$out/provision.log"; exit 1; }
+  ap ${PROVISION_ARGS:-} provision.yml > "$out/provision.log" 2>&1 || { tail -60 "$out/provision.log"; exit 1; }
   echo "provision.yml: $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee "$out/provision.txt" /tmp/dsc-provision.done
   grep -A4 '"node | python' "$out/provision.log"
 fi
@@ -52,7 +54,7 @@ for p in $presets; do
   id=gpu-${p//+/-}-$(date +%s)
   ap launch.yml -e preset=$preset -e follow=true -e run_id=$id "${extra[@]}" ${LAUNCH_EXTRA:-} > "$out/launch-$p.log" 2>&1
   rc=$?
-  d=/opt/dscluster/runs/$id
+  d=${RUNS:-/opt/dscluster/runs}/$id
   cp $d/metrics.jsonl "$out/metrics-$p.jsonl" 2>/dev/null; cp $d/summary.json "$out/summary-$p.json" 2>/dev/null
   grep -E '"event": "start"|TORCH_CUDA_ARCH_LIST' $d/launcher.log | head -2 > "$out/start-$p.txt"
   echo "{\"preset\": \"$p\", \"rc\": $rc, \"playbook_start\": $t0}" > "$out/run-$p.json"
