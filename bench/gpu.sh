@@ -8,9 +8,10 @@
 #     WHEELS_DIR       wheels for the node (DeepSpeed + missing deps) and for Ansible (ansible-core + deps)
 #     COLLECTIONS_TGZ  ansible_collections/{ansible/posix,community/crypto,community/general} as .tgz
 #     REFERENCE_PY     the hand-run reference script (gpt_reference.py)
-#     PRESETS          e.g. "zero2 zero3"; a variant adds +compile, +mbN (micro-batch) or +gpusN
+#     PRESETS          e.g. "zero2 zero3 auto"; a variant adds +compile, +mbN (micro-batch) or +gpusN
 #                      (slots), e.g. "zero2+gpus1 zero2+gpus1+compile+mb12"
-#     REFS             e.g. "ds2 ds3 torch"; ds2x2/ds3x2 run the hand-run reference on 2 GPUs
+#     REFS             e.g. "ds2 ds3 torch"; ds2x2/ds3x2 run the hand-run reference on 2 GPUs,
+#                      torch16x4 plain PyTorch at micro-batch 16 x 4 accumulation steps
 #   PREFLIGHT=1 runs preflight.yml (all-reduce across the node's GPUs) after provisioning.
 #   INVENTORY (default inventory/gpu-local), RUNS (where the master's run directories are, default
 #   /opt/dscluster/runs) and PROVISION_ARGS (e.g. "-f 1") let it drive other inventories.
@@ -71,6 +72,7 @@ for r in $refs; do
     ds2x2) /opt/torch/.venv/bin/deepspeed --num_gpus 2 --master_port 29602 "$ref" --mode ds --stage 2 ;;
     ds3x2) /opt/torch/.venv/bin/deepspeed --num_gpus 2 --master_port 29603 "$ref" --mode ds --stage 3 ;;
     torch) $py "$ref" --mode torch ;;
+    torch16x4) $py "$ref" --mode torch --mb 16 --accum 4 ;;  # a global batch of 64 sequences
   esac 2>&1 | grep RESULT | sed "s/^/$r /" | tee -a "$out/reference.txt"
 done
 # One archive: the device link returns only a few files.

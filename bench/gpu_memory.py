@@ -47,13 +47,15 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 
 
 def parse_config(text):
+    """preset:micro_batch[:ckpt][:SIZE] (SIZE a key of train.config.SIZES; default MODEL's)."""
     parts = text.split(":")
     return {"name": text, "preset": parts[0], "micro_batch": int(parts[1]),
-            "checkpointing": "ckpt" in parts[2:]}
+            "checkpointing": "ckpt" in parts[2:],
+            "size": next((x for x in parts[2:] if x in SIZES), MODEL["size"])}
 
 
 def predicted(c):
-    shape = memory.model_shape(*SIZES[MODEL["size"]], MODEL["vocab"], MODEL["seq_len"])
+    shape = memory.model_shape(*SIZES[c.get("size", MODEL["size"])], MODEL["vocab"], MODEL["seq_len"])
     return memory.predict(shape, c["preset"], c["micro_batch"], 1, 1,
                           activation_checkpointing=c["checkpointing"],
                           precision="bf16" if not os.environ.get("DSC_MEM_SMOKE") else "fp32")
@@ -118,7 +120,7 @@ def child(name, port, out_file, run_root, steps):
     deepspeed.initialize = initialize
     DeepSpeedEngine.backward, DeepSpeedEngine.step = wrapped_backward, wrapped_step
     argv = ["--deepspeed_config", str(run_dir / "ds_config.json"),
-            "--set", f"size={MODEL['size']}", "--set", f"seq_len={MODEL['seq_len']}",
+            "--set", f"size={c['size']}", "--set", f"seq_len={MODEL['seq_len']}",
             "--set", f"steps={steps}", "--set", "save_final=false", "--set", f"run_dir={run_dir}",
             "--set", f"activation_checkpointing={'true' if c['checkpointing'] else 'false'}"]
     t0 = time.time()
@@ -327,7 +329,8 @@ def table(doc, markdown=False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="results directory (memory.json, logs.tgz)")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="preset:micro_batch[:ckpt], comma-separated")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="preset:micro_batch[:ckpt][:SIZE], comma-separated (SIZE: train.config.SIZES, e.g. 8b)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--parallel", type=int, default=3, help="configurations side by side on the GPU")
     ap.add_argument("--deadline", type=float, default=450, help="start no configuration after this many s")

@@ -23,6 +23,10 @@ of parts (bytes per GPU):
                  s*b*h*(34 + 5*a*s/h) bytes/layer in 16-bit with dropout; 32 without dropout;
                  the attention-score term only where scores are materialised), the final
                  LayerNorm's, and the small fp32 per-token statistics.
+  accumulation   with gradient accumulation, what a later micro-step's backward finds still
+                 allocated (measured on one and two H200s, ZeRO-1/2, optimizer on the GPU): ZeRO-2
+                 its 16-bit gradient partition; ZeRO-1 the whole 16-bit gradients and its reduce
+                 buckets. Not measured, so not counted: ZeRO-0/3 and the offload presets.
   logits         the output layer's logits at the start of the backward: the fp32 log-softmax
                  output, its incoming gradient and its outgoing gradient (3 x s*b*V*4 bytes when
                  the model casts logits to fp32, as train/model.py does).
@@ -220,11 +224,13 @@ def logits_bytes(shape: dict, micro_batch: int, precision: str = "bf16", logits_
 
 def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: int, *,
             precision: str = "bf16", attention: str = "sdpa", activation_checkpointing: bool = False,
-            dropout: bool = False, logits_fp32: bool = True, overhead: int = OVERHEAD_BYTES) -> dict:
+            dropout: bool = False, logits_fp32: bool = True, overhead: int = OVERHEAD_BYTES,
+            grad_accum: int | None = None) -> dict:
     """Peak torch.cuda.max_memory_allocated() per GPU of a training step, with its parts.
 
     shape: model_shape(...); preset: a preset name or the merged ds_config; world: ranks in all;
-    gpus_per_node: ranks per node. Returns total (bytes), parts (bytes, summing to total), how
+    gpus_per_node: ranks per node; grad_accum: micro-steps per optimizer step (default: the
+    ds_config's gradient_accumulation_steps, else 1). Returns total (bytes), parts (bytes, summing to total), how
     (a line per part), phase (the moment of the peak) and phases (each moment's total),
     model_states (DeepSpeed's estimate, GPU and CPU), inputs."""
     if micro_batch < 1 or world < 1 or gpus_per_node < 1:
@@ -283,25 +289,36 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
             # 22 bytes/param in all on one GPU; DeepSpeed's estimate counts 20)
             step_states = states + (2 * p + fp32_grad) * N // W
 
+    if grad_accum is None:
+        grad_accum = int(preset.get("gradient_accumulation_steps", 1)) if isinstance(preset, dict) else 1
+    accumulation, how_accum = 0, "none (one micro-step per optimizer step)"
+    if grad_accum > 1 and stage in (1, 2) and not off_opt:
+        accumulation = p * N // W if stage == 2 else p * N + buckets
+        how_accum = ("the 16-bit gradient partition" if stage == 2 else
+                     "the 16-bit gradients and the reduce buckets") + \
+            f", kept across the {grad_accum} micro-steps"
+
     live_acts = act["layers"] + act["head"]
     phases = {
-        "backward": states + buffers + live_acts + logits,
-        "first-gradient": states + buffers + live_acts + act["recompute"] + first_grad_extra,
+        "backward": states + buffers + accumulation + live_acts + logits,
+        "first-gradient": states + buffers + accumulation + live_acts + act["recompute"] + first_grad_extra,
         "step": step_states + (buffers if stage == 3 else 0),
     }
     phase = max(phases, key=lambda k: phases[k])
     gpu_est = est["gpu_bytes"]
     if phase == "backward":
         parts = {"model_states": gpu_est, "states_adjust": states - gpu_est, "zero_buffers": buffers,
-                 "activations": live_acts, "logits": logits}
+                 "accumulation": accumulation, "activations": live_acts, "logits": logits}
     elif phase == "first-gradient":
         parts = {"model_states": gpu_est, "states_adjust": states - gpu_est,
-                 "zero_buffers": buffers + first_grad_extra,
-                 "activations": phases[phase] - states - buffers - first_grad_extra, "logits": 0}
+                 "zero_buffers": buffers + first_grad_extra, "accumulation": accumulation,
+                 "activations": phases[phase] - states - buffers - accumulation - first_grad_extra,
+                 "logits": 0}
     else:
         parts = {"model_states": gpu_est, "states_adjust": phases["step"] - gpu_est
                  - (buffers if stage == 3 else 0),
-                 "zero_buffers": buffers if stage == 3 else 0, "activations": 0, "logits": 0}
+                 "zero_buffers": buffers if stage == 3 else 0, "accumulation": 0, "activations": 0,
+                 "logits": 0}
     parts["overhead"] = int(overhead)
     parts = {k: int(v) for k, v in parts.items()}
     total = sum(parts.values())
@@ -317,6 +334,7 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
                           "flattened copy and the fp32 copy")
                          + "; minus DeepSpeed's estimate",
         "zero_buffers": how_buf + (f"; + {how_extra}" if phase == "first-gradient" else ""),
+        "accumulation": how_accum if phase != "step" else "not counted at the step",
         "activations": (f"{s}x{b}x{h} tokens x hidden: " +
                         (f"{shape['layers']} layers x {act['per_layer']} B (16 x {p} B/element saved per "
                          f"block, attention {attention}" + (", dropout" if dropout else "") + ")"
@@ -332,7 +350,7 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
             "parts": parts, "how": how,
             "model_states": est,
             "inputs": {"preset": preset if isinstance(preset, str) else "ds_config", "zero": z,
-                       "micro_batch": micro_batch, "world": world, "gpus_per_node": gpus_per_node,
+                       "micro_batch": micro_batch, "grad_accum": grad_accum, "world": world, "gpus_per_node": gpus_per_node,
                        "precision": precision, "attention": attention,
                        "activation_checkpointing": ckpt, "dropout": dropout, "logits_fp32": logits_fp32,
                        "shape": dict(shape)}}
@@ -350,6 +368,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--preset", default="zero2")
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=1)
     ap.add_argument("--precision", default="bf16", choices=sorted(PRECISION_BYTES))
@@ -357,7 +376,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     shape = model_shape(*SIZES[a.size], a.vocab, a.seq_len)
     r = predict(shape, a.preset, a.micro_batch, a.world, a.gpus_per_node, precision=a.precision,
-                activation_checkpointing=a.checkpointing)
+                activation_checkpointing=a.checkpointing, grad_accum=a.grad_accum)
     print(json.dumps({k: r[k] for k in ("total_gib", "phase", "parts", "how")}, indent=1))
 
 

@@ -184,7 +184,7 @@ def test_logits_are_three_fp32_copies_when_cast():
 
 # --- the prediction's output -------------------------------------------------------------------------
 
-PARTS = {"model_states", "states_adjust", "zero_buffers", "activations", "logits", "overhead"}
+PARTS = {"model_states", "states_adjust", "zero_buffers", "accumulation", "activations", "logits", "overhead"}
 
 
 @pytest.mark.parametrize("preset", ["zero0", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload"])
@@ -235,7 +235,7 @@ def test_small_micro_batch_peaks_at_the_optimizer_step():
 # --- against the H200 measurements (docs/memory.md) ----------------------------------------------
 # max_memory_allocated in GiB: bench/results/gpu/memory/memory.json (bench/gpu_memory.py, 3 steps,
 # a fresh process each) and earlier launch.yml runs (bench/results/gpu/*/summary-*.json, 15 or 6
-# steps, rounded to 0.01 GiB); (preset, micro-batch, world, checkpointing).
+# steps, rounded to 0.01 GiB); (preset, micro-batch, world, checkpointing[, accumulation]).
 
 MEASURED = {
     ("zero1", 4, 1, False): 35.2397723197937,
@@ -252,11 +252,28 @@ MEASURED = {
     ("zero3", 8, 2, False): 46.81,
     ("zero2", 12, 2, False): 60.68,
     ("zero2", 16, 2, False): 77.36,
+    # bench/results/gpu/memory-offload (optimizer on the CPU at micro-batch 4)
+    ("zero2-offload", 4, 1, False): 19.58,
+    ("zero3-offload", 4, 1, False): 19.56,
+    # bench/results/gpu/auto: a global batch of 64 sequences, micro-batch 16 x accumulation
+    ("zero1", 16, 1, False, 4): 89.79,
+    ("zero2", 16, 1, False, 4): 87.93,
+    ("zero1", 16, 2, False, 2): 81.87,
+    ("zero2", 16, 2, False, 2): 78.69,
 }
 
 
 @pytest.mark.parametrize("case", MEASURED)
 def test_prediction_within_one_percent_of_the_h200_peaks(case):
-    preset, mb, world, ckpt = case
-    r = M.predict(gpt13(), preset, mb, world, world, activation_checkpointing=ckpt)
+    preset, mb, world, ckpt, *accum = case
+    r = M.predict(gpt13(), preset, mb, world, world, activation_checkpointing=ckpt,
+                  grad_accum=accum[0] if accum else 1)
     assert abs(r["total"] / GiB / MEASURED[case] - 1) < 0.01
+
+
+def test_accumulation_is_read_from_a_ds_config_and_absent_without_it():
+    cfg = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}
+    with_accum = M.predict(gpt13(), cfg, 16, 2, 2)
+    assert with_accum["parts"]["accumulation"] == 2 * gpt13()["params"] // 2
+    assert M.predict(gpt13(), "zero2", 16, 2, 2)["parts"]["accumulation"] == 0
+    assert with_accum["total"] - M.predict(gpt13(), "zero2", 16, 2, 2)["total"] == with_accum["parts"]["accumulation"]
