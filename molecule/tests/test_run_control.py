@@ -62,6 +62,41 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
         cluster.playbook("stop.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
 
 
+def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisioned, cluster):
+    """dsc_launch_mode no_ssh: Ansible starts DeepSpeed's launcher on every node (nothing sshes
+    between nodes), the others on the port the master took; each node's row reads its own
+    launcher; stop leaves no process of the run on any node; resume trains on to the end."""
+    run, no_ssh = "ns-1", ["-e", "dsc_launch_mode=no_ssh"]
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {RUNS}/{run}")
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=1500, save_every=100)})]
+    try:
+        r = cluster.playbook("launch.yml", "-e", f"run_id={run}", *no_ssh, *train)
+        assert r.returncode == 0, r.output[-3000:]
+        ports = {n: cluster.exec(n, f"cat {RUNS}/{run}/master_port").stdout.strip() for n in cluster.names}
+        assert len(set(ports.values())) == 1, ports
+        for n in cluster.names:  # a launcher of its own on every node, with the whole world
+            log = cluster.exec(n, f"cat {RUNS}/{run}/launcher.log").stdout
+            assert f"--node_rank={cluster.names.index(n)}" in log and "dist_world_size=2" in log, log[-2000:]
+        wait(lambda: last_step(cluster, RUNS, run) > 250, 240, f"{run} past its second checkpoint")
+        status = cluster.playbook("status.yml", "-e", f"run_id={run}", *no_ssh)
+        for n in cluster.names:
+            assert f"{n}: running, ranks alive 1" in status.output, status.output[-3000:]
+        stop = cluster.playbook("stop.yml", "-e", f"run_id={run}", *no_ssh)
+        assert stop.returncode == 0, stop.output[-3000:]
+        for n in cluster.names:
+            assert f"{n}: stopped" in stop.output and procs(cluster, n, run) == [], stop.output[-3000:]
+        stopped_at = last_step(cluster, RUNS, run)
+        assert stopped_at < 1500
+        resume = cluster.playbook("resume.yml", "-e", f"run_id={run}", "-e", "follow=true", *no_ssh)
+        assert resume.returncode == 0, resume.output[-3000:]
+        assert last_step(cluster, RUNS, run) == 1500
+        for n in cluster.names:
+            assert cluster.exec(n, f"cat {RUNS}/{run}/exit_code").stdout.strip() == "0", n
+    finally:
+        cluster.playbook("stop.yml", "-e", f"run_id={run}", *no_ssh)
+
+
 def test_every_row_tells_a_finished_run(provisioned, cluster):
     """Workers have no launcher of their own: their rows come from the exit code the supervisor
     records on every node."""
