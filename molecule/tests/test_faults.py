@@ -246,3 +246,25 @@ def test_a_full_run_root_fails_the_run_with_its_reason_and_retention_keeps_n(pro
         cluster.playbook("stop.yml", "-e", "run_id=small-full", "-e", f"dsc_run_root={SMALL}")
         for n in cluster.names:
             cluster.exec(n, f"rm -rf {SMALL}/*", check=False)
+
+
+def test_one_node_failing_mid_provision_stops_every_node_naming_it(provisioned, cluster):
+    """A node whose op build fails (here: its cached FusedAdam library corrupted, so loading it
+    fails on that node only) ends provision.yml on every node at that task, naming the node,
+    never a template error about the failed node's missing facts later on."""
+    worker = cluster.names[-1]
+    lib = cluster.exec(worker, "find /opt/dscluster/cache/torch_extensions -name 'fused_adam*.so' | head -1").stdout.strip()
+    assert lib, "no built FusedAdam on the provisioned node"
+    cluster.exec(worker, f"cp -p {lib} {lib}.keep && truncate -s 64 {lib}")
+    try:
+        r = cluster.playbook("provision.yml")
+        assert r.returncode != 0, r.output[-3000:]
+        assert "TASK [deepspeed : Warm the JIT op cache" in r.output, r.output[-4000:]
+        after = r.output.split("TASK [deepspeed : Warm the JIT op cache", 1)[1]
+        assert f"fatal: [{worker}]" in after and "fatal: [node1]" not in r.output, r.output[-4000:]
+        # every node stopped at that task: no later task or play ran anywhere (the report play's
+        # table among them), and no template error about the failed node's facts
+        assert "TASK [" not in after and "PLAY [" not in after, after[-3000:]
+        assert "HostVarsVars" not in r.output
+    finally:
+        cluster.exec(worker, f"mv {lib}.keep {lib}")

@@ -76,8 +76,10 @@ def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisione
         ports = {n: cluster.exec(n, f"cat {RUNS}/{run}/master_port").stdout.strip() for n in cluster.names}
         assert len(set(ports.values())) == 1, ports
         for n in cluster.names:  # a launcher of its own on every node, with the whole world
-            log = cluster.exec(n, f"cat {RUNS}/{run}/launcher.log").stdout
-            assert f"--node_rank={cluster.names.index(n)}" in log and "dist_world_size=2" in log, log[-2000:]
+            def log(n=n):
+                return cluster.exec(n, f"cat {RUNS}/{run}/launcher.log 2>/dev/null", check=False).stdout
+            wait(lambda: "dist_world_size" in log(), 120, f"{n}'s launcher")
+            assert f"--node_rank={cluster.names.index(n)}" in log() and "dist_world_size=2" in log(), log()[-2000:]
         wait(lambda: last_step(cluster, RUNS, run) > 250, 240, f"{run} past its second checkpoint")
         status = cluster.playbook("status.yml", "-e", f"run_id={run}", *no_ssh)
         for n in cluster.names:
