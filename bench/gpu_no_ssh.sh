@@ -46,6 +46,10 @@ done | tee "$ctl/left.txt"
 ap resume.yml -e run_id=$id -e follow=true > "$ctl/resume.log" 2>&1; echo "resume rc=$?"
 grep -E '"state"|resum' "$ctl/resume.log" | head -5
 for n in node1 node2; do echo "$n exit_code $(cat /srv/dsc-nodes/$n/runs/$id/exit_code)"; done | tee "$ctl/exit.txt"
-grep -m1 -i "resum" /srv/dsc-nodes/node1/runs/$id/launcher.log | cut -c1-300 > "$ctl/resumed-from.txt"
 cp /srv/dsc-nodes/node1/runs/$id/metrics.jsonl "$ctl/" 2>/dev/null
+# where the resumed attempt started: the first logged step that is not after the one before it
+$py -c 'import json, sys
+steps = [json.loads(x)["step"] for x in open(sys.argv[1])]
+print(next((f"stopped after step {a}, resumed at step {b}" for a, b in zip(steps, steps[1:]) if b <= a), "no restart seen"))' \
+  "$ctl/metrics.jsonl" | tee "$ctl/resumed-from.txt"
 tar -C "$out" -czf /tmp/no-ssh.tgz . && mv /tmp/no-ssh.tgz "$out/"
