@@ -62,7 +62,7 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
         cluster.playbook("stop.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
 
 
-def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisioned, cluster):
+def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisioned, cluster, tmp_path):
     """dsc_launch_mode no_ssh: Ansible starts DeepSpeed's launcher on every node (nothing sshes
     between nodes), the others on the port the master took; each node's row reads its own
     launcher; stop leaves no process of the run on any node; resume trains on to the end."""
@@ -95,6 +95,13 @@ def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisione
         assert last_step(cluster, RUNS, run) == 1500
         for n in cluster.names:
             assert cluster.exec(n, f"cat {RUNS}/{run}/exit_code").stdout.strip() == "0", n
+        # each node's own launcher log, read on that node (and fetched from it)
+        logs = cluster.playbook("logs.yml", "-e", f"run_id={run}", "-e", "lines=3", *no_ssh,
+                                "-e", f"logs_dest={tmp_path}")
+        assert logs.returncode == 0, logs.output[-3000:]
+        for n in cluster.names:
+            assert f"== {n} (last 3 lines)" in logs.output, logs.output[-3000:]
+            assert (tmp_path / run / n / "launcher.log").stat().st_size > 0
     finally:
         cluster.playbook("stop.yml", "-e", f"run_id={run}", *no_ssh)
 
