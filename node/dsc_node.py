@@ -1480,8 +1480,6 @@ def command(argv):
         pos, opts = options(args, valued=("--grace", "--run-dir", "--ext-dir"))
         print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"),
                               opts.get("--ext-dir"))))
-    elif cmd == "locks":
-        print(json.dumps(jit_locks(args[0])))
     elif cmd == "runs":
         print(json.dumps(runs_table(args[0])))
     elif cmd == "log":
