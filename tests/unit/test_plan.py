@@ -717,6 +717,18 @@ def test_preset_auto_falls_back_to_sharding_then_offload_on_small_gpus():
     assert any("preset=auto: nothing fits the smallest GPU (node1: 8.0 GiB)" in e for e in errors), errors
 
 
+def test_preset_auto_offloads_with_zero3_on_one_gpu_and_zero2_on_more():
+    # the 8.47 B model fits one H200 only with offload (measured there: zero3-offload 5,473 tokens/s,
+    # zero2-offload 5,025, both at micro-batch 8 x 2)
+    large = {"preset": "auto", "dsc_train_batch": 16, "dsc_train_config": {"size": "8b", "seq_len": 2048}}
+    p, errors = auto_plan(143771, large)
+    assert errors == [] and (p["run"]["preset"], p["run"]["batch"]["micro_batch"]) == ("zero3-offload", 8), \
+        p["run"]["auto"]
+    assert any("no room: zero2 micro-batch 1" in line for line in p["run"]["auto"]), p["run"]["auto"]
+    p, errors = auto_plan(16384, {"preset": "auto", "dsc_train_config": GPT_1_3B}, n=2)  # two 16 GiB
+    assert errors == [] and p["run"]["preset"] == "zero2-offload", p["run"]["auto"]
+
+
 def test_preset_auto_needs_gpus_and_a_users_script_needs_its_models_shape():
     p, errors = plan(options={"preset": "auto"}, full_run=True)  # CPU nodes
     assert any("preset=auto chooses by GPU memory and the cluster has CPU nodes" in e for e in errors), errors
