@@ -260,15 +260,24 @@ MEASURED = {
     ("zero2", 16, 1, False, 4): 87.93,
     ("zero1", 16, 2, False, 2): 81.87,
     ("zero2", 16, 2, False, 2): 78.69,
+    # bench/results/gpu/auto/call2
+    ("zero3", 16, 1, False, 4): 88.86,
+}
+# The 8.47 B model (train size 8b, 40 x 4096, 32 heads) that fits one H200 only with offload:
+# bench/results/gpu/auto8b, a global batch of 16 sequences.
+MEASURED_8B = {
+    ("zero2-offload", 8, 1, False, 2): 105.78,
+    ("zero3-offload", 8, 1, False, 2): 92.43,
 }
 
 
-@pytest.mark.parametrize("case", MEASURED)
-def test_prediction_within_one_percent_of_the_h200_peaks(case):
+@pytest.mark.parametrize("shape, case, peak", [(gpt13(), c, v) for c, v in MEASURED.items()]
+                         + [(M.model_shape(40, 4096, 32, 50304, 2048), c, v) for c, v in MEASURED_8B.items()])
+def test_prediction_within_one_percent_of_the_h200_peaks(shape, case, peak):
     preset, mb, world, ckpt, *accum = case
-    r = M.predict(gpt13(), preset, mb, world, world, activation_checkpointing=ckpt,
+    r = M.predict(shape, preset, mb, world, world, activation_checkpointing=ckpt,
                   grad_accum=accum[0] if accum else 1)
-    assert abs(r["total"] / GiB / MEASURED[case] - 1) < 0.01
+    assert abs(r["total"] / GiB / peak - 1) < 0.01
 
 
 def test_accumulation_is_read_from_a_ds_config_and_absent_without_it():
