@@ -10,6 +10,8 @@ CASES = [
     ({"dsc_master_port": 29510, "dsc_master_port_last": 29500}, ["dsc_master_port_last on host node1 is 29500"]),
     ({"dsc_master_port": "http"}, ["dsc_master_port", "Validation of arguments failed"]),
     ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(touch /tmp/pwned)"}}, ["the value of NCCL_DEBUG is 'WARN$(touch /tmp/pwned)'"]),
+    ({"dsc_pip_index_url": "https://mirror/simple --trusted-host evil;touch /tmp/pwned"},
+     ["dsc_pip_index_url on host node1 is 'https://mirror/simple --trusted-host evil;touch /tmp/pwned'"]),
 ]
 
 

@@ -108,7 +108,7 @@ def test_requirements_are_installed_at_the_same_version_on_every_node(provisione
         assert got == dict(want), (n, got)
     # Installed from the wheelhouse's hashed lock: every locked package at its locked version.
     out = provisioned["first"].output
-    task = out.split("Install the wheelhouse's lock, every file checked against its sha256")[1].split("TASK [")[0]
+    task = out.split("Install the lock's wheels, every file checked against its sha256")[1].split("TASK [")[0]
     assert all(f": [{n}]" in task for n in cluster.names) and "skipping" not in task, task
     wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
     lock = dict(line.split(" ")[0].split("==") for line in (wheelhouse / "requirements.lock").read_text().splitlines()

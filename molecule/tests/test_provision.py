@@ -1,6 +1,9 @@
 """provision.yml on the container cluster: what each node ends with (idempotence: test_molecule.py)."""
 import json
-
+import os
+import shutil
+import sys
+from pathlib import Path
 
 from cluster import PINS
 
@@ -59,3 +62,79 @@ def test_conda_manager_checks_a_pushed_installer_before_running_it(provisioned, 
     finally:
         for node in cluster.names:
             cluster.exec(node, "rm -f /opt/dscluster/cache/miniconda-installer.sh", check=False)
+
+
+def test_index_installs_take_exactly_the_hashed_node_lock(provisioned, cluster, tmp_path):
+    """Nodes without a wheelhouse install from a package index: here a PEP 503 index served over
+    HTTP from the outsider container (the wheelhouse's torch and DeepSpeed dependencies, DeepSpeed's
+    source archive as PyPI has it, setuptools). scripts/nodelock.sh locks it on the control node;
+    a file changed on the index is refused on every node before anything is installed; then the
+    real install into a fresh install root: the wheels, then DeepSpeed built from its sdist
+    without build isolation. JIT op warming is left out (the main provision covers it)."""
+    import subprocess
+    from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+    from cluster import OUTSIDER, OUTSIDER_IP, ROOT
+    wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
+    sdist = tmp_path / "sdist"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(sdist), f"deepspeed=={PINS['DEEPSPEED_VERSION']}"], check=True, capture_output=True)
+    # what a source build without a pyproject.toml needs beside setuptools (the wheelhouse has none)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                    "-d", str(sdist), "wheel"], check=True, capture_output=True)
+    # The index: one folder per project (canonical name), listed by http.server; DeepSpeed as
+    # PyPI has it, a source archive only (the wheelhouse's wheel of it is built there).
+    index = tmp_path / "index"
+    for f in [w for w in wheelhouse.glob("*.whl") if not w.name.startswith("deepspeed-")] + list(sdist.glob("*")):
+        name = parse_wheel_filename(f.name)[0] if f.suffix == ".whl" else parse_sdist_filename(f.name)[0]
+        (index / "simple" / canonicalize_name(name)).mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, index / "simple" / canonicalize_name(name) / f.name)
+    url = f"http://{OUTSIDER_IP}:8000/simple/"
+    podman = dict(env=dict(os.environ), check=True, capture_output=True)
+    subprocess.run(["podman", "exec", OUTSIDER, "rm", "-rf", "/srv/index"], **podman)
+    subprocess.run(["podman", "cp", str(index), f"{OUTSIDER}:/srv/index"], **podman)
+    subprocess.run(["podman", "exec", "-d", OUTSIDER, "python3", "-m", "http.server", "8000", "--bind",
+                    OUTSIDER_IP, "--directory", "/srv/index"], **podman)
+    lock = tmp_path / "nodes.lock"
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "nodelock.sh"), str(lock)], capture_output=True, text=True,
+                       env=dict({k: v for k, v in os.environ.items() if not k.startswith("PIP_")},
+                                PIP_CONFIG_FILE=os.devnull, INDEX_URL=url, PYTHON=sys.executable), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = lock.read_text().splitlines()
+    assert f"deepspeed=={PINS['DEEPSPEED_VERSION']}" in "\n".join(lines)
+    assert [line.split("==")[0] for line in lines if line.endswith("# sdist")] == ["deepspeed"], lines
+    root = "/opt/dsc-index"
+    # dsc_torch_variant pypi: torch comes from this index too (no download.pytorch.org beside it)
+    extra = ["-e", json.dumps({"dsc_wheelhouse": "", "dsc_requirements_file": "", "dsc_install_root": root,
+                               "dsc_torch_variant": "pypi",
+                               "dsc_node_lock": str(lock), "dsc_pip_index_url": url,
+                               "deepspeed_warm_ops": {"cpu": [], "cuda": []}})]
+    tqdm = next((index / "simple" / "tqdm").glob("*.whl"))
+    try:
+        # A changed file on the index: refused on every node, nothing installed in the new env.
+        subprocess.run(["podman", "exec", OUTSIDER, "sh", "-c", f"echo tampered >> /srv/index/simple/tqdm/{tqdm.name}"],
+                       **podman)
+        r = cluster.playbook("provision.yml", *extra)
+        assert r.returncode != 0
+        task = r.output.split("Install the lock's wheels, every file checked against its sha256")[1].split("TASK [")[0]
+        assert "DO NOT MATCH THE HASHES" in task and "tqdm" in task, task[-3000:]
+        assert "Task failed" in task and sum(v.get("failed", 0) for v in r.recap.values()) >= 1, r.recap
+        assert "Build and install the lock's source packages" not in r.output
+        for n in cluster.names:
+            assert cluster.exec(n, f"ls {root}/env/lib/python3*/site-packages | grep -c -E '^(torch|tqdm)' || true").stdout.strip() == "0"
+        # The index's own file again: the lock installs, DeepSpeed built from its source archive.
+        subprocess.run(["podman", "cp", str(tqdm), f"{OUTSIDER}:/srv/index/simple/tqdm/{tqdm.name}"], **podman)
+        r = cluster.playbook("provision.yml", *extra)
+        assert r.returncode == 0, r.output[-5000:]
+        assert "Build and install the lock's source packages, checked against their sha256 (deepspeed)" in r.output
+        locked = dict(line.split(" ")[0].split("==") for line in lines if line and not line.startswith("#"))
+        probe = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+        for n in cluster.names:
+            got = json.loads(cluster.exec(n, f"{root}/env/bin/python -c '{probe}' {' '.join(locked)}",
+                                          user="dstrain").stdout)
+            assert got == locked, (n, {k: (v, locked[k]) for k, v in got.items() if v != locked[k]})
+            cluster.exec(n, f"{root}/env/bin/python -c 'import deepspeed, torch'", user="dstrain")
+    finally:
+        subprocess.run(["podman", "exec", OUTSIDER, "sh", "-c", "pkill -f 'http.server 8000'; rm -rf /srv/index"],
+                       env=dict(os.environ), capture_output=True)
+        for n in cluster.names:
+            cluster.exec(n, f"rm -rf {root}", check=False)

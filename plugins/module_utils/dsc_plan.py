@@ -28,6 +28,7 @@ import os
 import posixpath
 import re
 import tarfile
+import urllib.parse
 from pathlib import Path
 
 CLUSTER_GROUP = "cluster"
@@ -51,7 +52,8 @@ TORCH_INDEXES = {
 CLUSTER_SETTINGS = (
     "dsc_cluster_name", "dsc_env_manager", "dsc_install_root", "dsc_run_root",
     "dsc_python_version", "dsc_torch_version", "dsc_torch_variant", "dsc_deepspeed_version",
-    "dsc_train_user", "dsc_wheelhouse", "dsc_master_port", "dsc_master_port_last",
+    "dsc_train_user", "dsc_wheelhouse", "dsc_node_lock", "dsc_pip_index_url", "dsc_master_port",
+    "dsc_master_port_last",
     "dsc_conda_env_name", "dsc_conda_installer_file", "dsc_conda_installer_sha256",
     "dsc_conda_accept_tos", "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
@@ -272,6 +274,22 @@ def _check_settings(s, first, problems, check_dir):
         problems.add(f"dsc_wheelhouse {where} is {wheelhouse!r}, which does not exist on the "
                      f"control node. Fix: build it (scripts/wheelhouse.sh) or point it at a "
                      f"directory of wheels.")
+    node_lock = str(s["dsc_node_lock"] or "")
+    if node_lock and wheelhouse:
+        problems.add(f"dsc_node_lock {where} is set beside dsc_wheelhouse. Fix: one of them: the "
+                     f"wheelhouse's own requirements.lock is its lock.")
+    elif node_lock and check_dir is not None and not os.path.isfile(node_lock):
+        problems.add(f"dsc_node_lock {where} is {node_lock!r}, which is not a file on the control "
+                     f"node. Fix: write it with scripts/nodelock.sh {node_lock}.")
+    index = str(s["dsc_pip_index_url"] or "")
+    if index and (not INDEX_URL.fullmatch(index) or wheelhouse):
+        problems.add(f"dsc_pip_index_url {where} is {index!r}. Fix: an http(s) URL of letters, digits "
+                     f"and . _ ~ : / @ % + - only, e.g. https://pypi.example.org/simple"
+                     + (", and no dsc_wheelhouse (installs from it are offline)." if wheelhouse else "."))
+    elif index.startswith("http:") and not node_lock:
+        problems.add(f"dsc_pip_index_url {where} is {index!r}: plain HTTP, and no dsc_node_lock to "
+                     f"check what comes over it. Fix: https, or a dsc_node_lock (scripts/nodelock.sh): "
+                     f"every file is then checked against its sha256.")
     first_port, last_port = s["dsc_master_port"], s["dsc_master_port_last"]
     if not _is_int(first_port) or not 1024 <= int(first_port) < 65536:
         problems.add(f"dsc_master_port {where} is {shown(first_port)}. Fix: a TCP port 1024-65535.")
@@ -371,39 +389,61 @@ def _requirements(s, where, problems, check_dir):
     return ([t for t, n in reqs if n in TORCH_FAMILY], [t for t, n in reqs if n not in TORCH_FAMILY])
 
 
-LOCK_LINE = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+) --hash=sha256:[0-9a-f]{64}$")
+LOCK_LINE = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+) --hash=sha256:[0-9a-f]{64}(  # sdist)?$")
+INDEX_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~:/@%+-]*)?")
 
 
-def _wheelhouse_lock(s, texts, where, problems, check_dir):
-    """The wheelhouse's requirements.lock (scripts/wheelhouse.sh writes it), when it has one:
-    every node installs exactly it, each file checked against its sha256, so it must pin the
-    torch and DeepSpeed of the plan and satisfy every requirement. True when there is one."""
+def index_args(url):
+    """pip's arguments for the nodes' index: a plain-HTTP one (allowed with a hashed lock only)
+    is named a trusted host too, or pip ignores it."""
+    if not url:
+        return ""
+    host = urllib.parse.urlsplit(url).netloc
+    return f"--index-url {url}" + (f" --trusted-host {host}" if url.startswith("http:") else "")
+
+
+def _lock(s, texts, where, problems, check_dir):
+    """The lock every node installs exactly, each file checked against its sha256: the
+    wheelhouse's requirements.lock (scripts/wheelhouse.sh) or dsc_node_lock (scripts/nodelock.sh,
+    from an index). It must pin the torch and DeepSpeed of the plan and satisfy every requirement.
+    {from: wheelhouse | index, wheels: lines, sdists: lines built on the node}, or None."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
     from packaging.version import Version
-    wheelhouse = str(s["dsc_wheelhouse"] or "")
-    path = os.path.join(wheelhouse, "requirements.lock")
-    if not wheelhouse or check_dir is None or not check_dir(wheelhouse) or not os.path.isfile(path):
-        return False
-    pins = {}
+    wheelhouse, node_lock = str(s["dsc_wheelhouse"] or ""), str(s["dsc_node_lock"] or "")
+    if wheelhouse:
+        var, path, source, tool = "dsc_wheelhouse", os.path.join(wheelhouse, "requirements.lock"), \
+            "wheelhouse", f"scripts/wheelhouse.sh {wheelhouse}"
+        if check_dir is None or not check_dir(wheelhouse) or not os.path.isfile(path):
+            return None
+    elif node_lock:
+        var, path, source, tool = "dsc_node_lock", node_lock, "index", f"scripts/nodelock.sh {node_lock}"
+        if check_dir is None or not os.path.isfile(path):
+            return None
+    else:
+        return None
+    pins, lock = {}, {"from": source, "wheels": [], "sdists": []}
     for line in open(path).read().splitlines():
         m = LOCK_LINE.match(line)
         if m:
             pins[canonicalize_name(m.group(1))] = Version(m.group(2))
+            lock["sdists" if m.group(3) else "wheels"].append(line)
         elif line.strip() and not line.startswith("#"):
-            problems.add(f"dsc_wheelhouse {where}: {path} has a line that is not a hashed pin "
-                         f"({line[:80]!r}). Fix: rebuild it with scripts/wheelhouse.sh.")
-            return False
+            problems.add(f"{var} {where}: {path} has a line that is not a hashed pin "
+                         f"({line[:80]!r}). Fix: rebuild it with {tool}.")
+            return None
+    if lock["sdists"] and "setuptools" not in pins:
+        problems.add(f"{var} {where}: {path} has source packages and no setuptools to build "
+                     f"them with. Fix: rebuild it with {tool}.")
     wanted = [f"torch=={s['dsc_torch_version']}", f"deepspeed=={s['dsc_deepspeed_version']}"] + list(texts)
     for text in wanted:
         req = Requirement(text)
         got = pins.get(canonicalize_name(req.name))
         if got is None or not req.specifier.contains(Version(got.public), prereleases=True):
-            problems.add(f"dsc_wheelhouse {where}: its requirements.lock has "
-                         f"{req.name} {got or 'not at all'}, the plan wants {text}. Fix: rebuild "
-                         f"the lock for these pins and requirements (scripts/wheelhouse.sh "
-                         f"{wheelhouse} with the requirements).")
-    return True
+            problems.add(f"{var} {where}: its lock has {req.name} {got or 'not at all'}, the plan "
+                         f"wants {text}. Fix: rebuild the lock for these pins and requirements "
+                         f"({tool} with the requirements).")
+    return lock
 
 
 def _data(s, where, problems, check_dir):
@@ -1230,8 +1270,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     s = _cluster_settings(hostvars, defaults, names, problems)
     _check_settings(s, names[0], problems, check_dir)
     torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
-    locked = _wheelhouse_lock(s, torch_requirements + requirements, f"on host {names[0]}", problems,
-                              check_dir)
+    lock = _lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
     data = _data(s, f"on host {names[0]}", problems, check_dir)
     secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems)
@@ -1312,10 +1351,13 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         # its index; the rest with DeepSpeed. Both installs hold torch and DeepSpeed at their pins.
         "torch_requirements": torch_requirements, "requirements": requirements,
         "data_dir": data["dir"], "data_shared": data["shared"], "secret_names": secrets,
-        # pip's source: the wheelhouse pushed to the node when there is one (offline).
+        # pip's source: the wheelhouse pushed to the node when there is one (offline), else the
+        # index: dsc_pip_index_url, or pip's own when empty.
         "pip_offline_args": f"--no-index --find-links {install_root}/wheelhouse" if wheelhouse else "",
-        # With the wheelhouse's lock, one install of exactly it, every file's sha256 checked.
-        "wheelhouse_locked": locked,
+        "pip_index_args": index_args(str(s["dsc_pip_index_url"] or "")),
+        # With a lock (the wheelhouse's or dsc_node_lock), one install of exactly it, every
+        # file's sha256 checked: its wheels, then its source packages built without isolation.
+        "lock": lock or {}, "locked": bool(lock),
         "master_port_first": int(s["dsc_master_port"]),
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],

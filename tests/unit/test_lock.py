@@ -20,3 +20,29 @@ def test_the_lock_pins_what_control_txt_asks_for_with_hashes():
             req = Requirement(line)
             pinned = lock.get(req.name.lower().replace("_", "-"))
             assert pinned and req.specifier.contains(pinned), f"{line}: {pinned} in the lock; run scripts/lock.sh"
+
+
+def test_hashlock_writes_the_index_hash_and_marks_source_archives(tmp_path):
+    """scripts/hashlock.py (wheelhouse.sh, nodelock.sh, lock.sh): the index's sha256, else a local
+    file's own; a source archive ends with '  # sdist' (built on the node without isolation)."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+    wheel = tmp_path / "tqdm-4.67.1-py3-none-any.whl"
+    wheel.write_bytes(b"a local wheel")
+    report = {"install": [
+        {"metadata": {"name": "deepspeed", "version": "0.19.8"},
+         "download_info": {"url": "https://files.example/deepspeed-0.19.8.tar.gz",
+                           "archive_info": {"hashes": {"sha256": "a" * 64}}}},
+        {"metadata": {"name": "tqdm", "version": "4.67.1"},
+         "download_info": {"url": wheel.as_uri(), "archive_info": {}}},
+    ]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "hashlock.py"), str(tmp_path / "report.json"),
+                    str(tmp_path / "out.lock"), "a header"], check=True, capture_output=True)
+    assert (tmp_path / "out.lock").read_text().splitlines() == [
+        "# a header",
+        f"deepspeed==0.19.8 --hash=sha256:{'a' * 64}  # sdist",
+        f"tqdm==4.67.1 --hash=sha256:{hashlib.sha256(b'a local wheel').hexdigest()}",
+    ]

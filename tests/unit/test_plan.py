@@ -599,14 +599,51 @@ def test_a_wheelhouse_lock_must_pin_the_plans_torch_deepspeed_and_requirements(t
                     f"deepspeed==0.19.8 --hash=sha256:{h}\ntransformers==4.57.6 --hash=sha256:{h}\n")
     p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
                      dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
-    assert errors == [] and p["wheelhouse_locked"] is True
+    assert errors == [] and p["locked"] is True and p["lock"]["from"] == "wheelhouse"
+    assert len(p["lock"]["wheels"]) == 3 and p["lock"]["sdists"] == []
     p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
                      dsc_torch_version="2.12.0", dsc_deepspeed_version="0.19.8")
-    assert any("requirements.lock has torch 2.13.0+cpu, the plan wants torch==2.12.0" in e for e in errors), errors
+    assert any("dsc_wheelhouse on host node1: its lock has torch 2.13.0+cpu, the plan wants torch==2.12.0"
+               in e for e in errors), errors
     lock.write_text("torch==2.13.0\n")
     assert any("not a hashed pin" in e for e in plan(dsc_wheelhouse=wh)[1])
     lock.unlink()
-    assert plan(dsc_wheelhouse=wh)[0]["wheelhouse_locked"] is False
+    assert plan(dsc_wheelhouse=wh)[0]["locked"] is False
+
+
+def test_a_node_lock_from_an_index_splits_wheels_from_source_packages(tmp_path):
+    h = "0" * 64
+    lock = tmp_path / "nodes.lock"
+    lines = [f"torch==2.13.0+cpu --hash=sha256:{h}", f"setuptools==80.9.0 --hash=sha256:{h}",
+             f"deepspeed==0.19.8 --hash=sha256:{h}  # sdist"]
+    lock.write_text("# written by scripts/nodelock.sh\n" + "\n".join(lines) + "\n")
+    pins = dict(dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
+    p, errors = plan(dsc_node_lock=str(lock), dsc_pip_index_url="http://10.0.0.5:8080/simple", **pins)
+    assert errors == [] and p["lock"] == {"from": "index", "wheels": lines[:2], "sdists": lines[2:]}
+    assert p["pip_index_args"] == "--index-url http://10.0.0.5:8080/simple --trusted-host 10.0.0.5:8080"
+    assert p["pip_offline_args"] == ""
+    # plain HTTP only when every file is checked against the lock
+    assert any("plain HTTP, and no dsc_node_lock" in e for e in plan(dsc_pip_index_url="http://10.0.0.5/simple")[1])
+    p, errors = plan(dsc_pip_index_url="https://mirror.example/simple")
+    assert errors == [] and p["pip_index_args"] == "--index-url https://mirror.example/simple"
+    # source packages need the lock's own setuptools (no isolated, unchecked build environment)
+    lock.write_text("\n".join([lines[0], lines[2]]) + "\n")
+    assert any("dsc_node_lock on host node1" in e and "no setuptools" in e and "scripts/nodelock.sh" in e
+               for e in plan(dsc_node_lock=str(lock), **pins)[1])
+    lock.write_text("\n".join(lines[:2]) + "\n")
+    assert any("dsc_node_lock on host node1: its lock has deepspeed not at all" in e
+               for e in plan(dsc_node_lock=str(lock), **pins)[1])
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("dsc_node_lock", "/nonexistent/nodes.lock", "which is not a file on the control node"),
+    ("dsc_pip_index_url", "ftp://mirror/simple", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/simple --trusted-host evil", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/simple;id", "Fix: an http(s) URL"),
+])
+def test_bad_node_lock_and_index_are_refused(var, value, message):
+    errors = plan(**{var: value})[1]
+    assert any(f"{var} on host node1" in e and message in e for e in errors), errors
 
 
 def test_data_dir_synced_or_shared(tmp_path):
