@@ -2,10 +2,13 @@
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-from cluster import PINS
+from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+
+from cluster import OUTSIDER, OUTSIDER_IP, PINS, ROOT
 
 
 def test_version_table_has_a_row_per_node(provisioned, cluster):
@@ -67,13 +70,10 @@ def test_conda_manager_checks_a_pushed_installer_before_running_it(provisioned, 
 def test_index_installs_take_exactly_the_hashed_node_lock(provisioned, cluster, tmp_path):
     """Nodes without a wheelhouse install from a package index: here a PEP 503 index served over
     HTTP from the outsider container (the wheelhouse's torch and DeepSpeed dependencies, DeepSpeed's
-    source archive as PyPI has it, setuptools). scripts/nodelock.sh locks it on the control node;
+    source archive as PyPI has it, setuptools and wheel). scripts/nodelock.sh locks it on the control node;
     a file changed on the index is refused on every node before anything is installed; then the
     real install into a fresh install root: the wheels, then DeepSpeed built from its sdist
     without build isolation. JIT op warming is left out (the main provision covers it)."""
-    import subprocess
-    from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
-    from cluster import OUTSIDER, OUTSIDER_IP, ROOT
     wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
     sdist = tmp_path / "sdist"
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
