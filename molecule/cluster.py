@@ -185,6 +185,11 @@ dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.
 """)
 
 
+def lock_pins(text):
+    """{name: version} of a hashed lock's lines (scripts/hashlock.py's format)."""
+    return dict(line.split(" ")[0].split("==") for line in text.splitlines() if line and not line.startswith("#"))
+
+
 def recap(output):
     """{host: {ok, changed, failed, ...}} from a PLAY RECAP."""
     out = {}
@@ -225,6 +230,11 @@ class Cluster:
         if check:
             assert r.returncode == 0, f"{node}: {cmd}: {r.stdout}{r.stderr}"
         return r
+
+    def versions(self, node, python, names):
+        """{distribution: installed version} in a node's env, read as the training user."""
+        probe = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+        return json.loads(self.exec(node, f"{python} -c '{probe}' {' '.join(names)}", user="dstrain").stdout)
 
     def copy_to(self, node, src, dest):
         """A file from here into a node's container (test setup, not how the toolkit reaches nodes)."""

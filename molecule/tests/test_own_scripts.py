@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cluster import wait
+from cluster import lock_pins, wait
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "scripts"
@@ -101,20 +101,17 @@ def accelerate_args(preset, steps, checkpoint_every=6, resume_args=("--resume_fr
 def test_requirements_are_installed_at_the_same_version_on_every_node(provisioned, cluster):
     want = [line.split("==") for line in (FIXTURES / "requirements.txt").read_text().splitlines()
             if line and not line.startswith("#")]
-    probe = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
     for n in cluster.names:
-        got = json.loads(cluster.exec(n, f"{ENV}/bin/python -c '{probe}' {' '.join(p for p, _ in want)}",
-                                      user="dstrain").stdout)
+        got = cluster.versions(n, f"{ENV}/bin/python", [p for p, _ in want])
         assert got == dict(want), (n, got)
     # Installed from the wheelhouse's hashed lock: every locked package at its locked version.
     out = provisioned["first"].output
     task = out.split("Install the lock's wheels, every file checked against its sha256")[1].split("TASK [")[0]
     assert all(f": [{n}]" in task for n in cluster.names) and "skipping" not in task, task
     wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
-    lock = dict(line.split(" ")[0].split("==") for line in (wheelhouse / "requirements.lock").read_text().splitlines()
-                if line and not line.startswith("#"))
+    lock = lock_pins((wheelhouse / "requirements.lock").read_text())
     for n in cluster.names:
-        got = json.loads(cluster.exec(n, f"{ENV}/bin/python -c '{probe}' {' '.join(lock)}", user="dstrain").stdout)
+        got = cluster.versions(n, f"{ENV}/bin/python", lock)
         assert got == lock, (n, {k: (v, lock[k]) for k, v in got.items() if v != lock[k]})
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 
-from cluster import OUTSIDER, OUTSIDER_IP, PINS, ROOT
+from cluster import OUTSIDER, OUTSIDER_IP, PINS, ROOT, lock_pins
 
 
 def test_version_table_has_a_row_per_node(provisioned, cluster):
@@ -126,11 +126,9 @@ def test_index_installs_take_exactly_the_hashed_node_lock(provisioned, cluster, 
         r = cluster.playbook("provision.yml", *extra)
         assert r.returncode == 0, r.output[-5000:]
         assert "Build and install the lock's source packages, checked against their sha256 (deepspeed)" in r.output
-        locked = dict(line.split(" ")[0].split("==") for line in lines if line and not line.startswith("#"))
-        probe = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+        locked = lock_pins(lock.read_text())
         for n in cluster.names:
-            got = json.loads(cluster.exec(n, f"{root}/env/bin/python -c '{probe}' {' '.join(locked)}",
-                                          user="dstrain").stdout)
+            got = cluster.versions(n, f"{root}/env/bin/python", locked)
             assert got == locked, (n, {k: (v, locked[k]) for k, v in got.items() if v != locked[k]})
             cluster.exec(n, f"{root}/env/bin/python -c 'import deepspeed, torch'", user="dstrain")
     finally:

@@ -393,13 +393,22 @@ LOCK_LINE = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+) --hash=sha256:[0-9a-f]{64}(  
 INDEX_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~:/@%+-]*)?")
 
 
-def index_args(url):
-    """pip's arguments for the nodes' index: a plain-HTTP one (allowed with a hashed lock only)
-    is named a trusted host too, or pip ignores it."""
-    if not url:
-        return ""
-    host = urllib.parse.urlsplit(url).netloc
-    return f"--index-url {url}" + (f" --trusted-host {host}" if url.startswith("http:") else "")
+def pip_sources(wheelhouse, index, torch_index):
+    """pip's source arguments on the nodes: `pip_source_args` for DeepSpeed, the requirements and
+    a lock's source packages; `pip_lock_args` for a lock's wheels (torch's index beside the
+    index); `pip_torch_args` for an unlocked torch (its own index only). Offline from the node's
+    wheelhouse when there is one. A plain-HTTP index (allowed with a lock only) is named a
+    trusted host too, or pip ignores it."""
+    if wheelhouse:
+        offline = f"--no-index --find-links {wheelhouse}"
+        return {"pip_source_args": offline, "pip_lock_args": offline, "pip_torch_args": offline}
+    source = ""
+    if index:
+        host = urllib.parse.urlsplit(index).netloc
+        source = f"--index-url {index}" + (f" --trusted-host {host}" if index.startswith("http:") else "")
+    return {"pip_source_args": source,
+            "pip_lock_args": " ".join(filter(None, [source, torch_index and f"--extra-index-url {torch_index}"])),
+            "pip_torch_args": f"--index-url {torch_index}" if torch_index else source}
 
 
 def _lock(s, texts, where, problems, check_dir):
@@ -1340,7 +1349,6 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "python_version": str(s["dsc_python_version"]),
         "torch_version": str(s["dsc_torch_version"]),
         "torch_variant": str(s["dsc_torch_variant"]),
-        "torch_index": TORCH_INDEXES.get(s["dsc_torch_variant"], ""),
         "deepspeed_version": str(s["dsc_deepspeed_version"]),
         "conda_env_name": str(s["dsc_conda_env_name"]),
         "conda_installer_file": str(s["dsc_conda_installer_file"] or ""),
@@ -1351,10 +1359,11 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         # its index; the rest with DeepSpeed. Both installs hold torch and DeepSpeed at their pins.
         "torch_requirements": torch_requirements, "requirements": requirements,
         "data_dir": data["dir"], "data_shared": data["shared"], "secret_names": secrets,
-        # pip's source: the wheelhouse pushed to the node when there is one (offline), else the
-        # index: dsc_pip_index_url, or pip's own when empty.
-        "pip_offline_args": f"--no-index --find-links {install_root}/wheelhouse" if wheelhouse else "",
-        "pip_index_args": index_args(str(s["dsc_pip_index_url"] or "")),
+        # pip's source for every install: the wheelhouse pushed to the node when there is one
+        # (offline), else the index (dsc_pip_index_url, or pip's own when empty); torch's own
+        # CUDA-variant index for torch, beside the index when a lock pins everything's files.
+        **pip_sources(f"{install_root}/wheelhouse" if wheelhouse else "", str(s["dsc_pip_index_url"] or ""),
+                      TORCH_INDEXES.get(s["dsc_torch_variant"], "")),
         # With a lock (the wheelhouse's or dsc_node_lock), one install of exactly it, every
         # file's sha256 checked: its wheels, then its source packages built without isolation.
         "lock": lock or {}, "locked": bool(lock),

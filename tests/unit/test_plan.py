@@ -601,6 +601,7 @@ def test_a_wheelhouse_lock_must_pin_the_plans_torch_deepspeed_and_requirements(t
                      dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
     assert errors == [] and p["locked"] is True and p["lock"]["from"] == "wheelhouse"
     assert len(p["lock"]["wheels"]) == 3 and p["lock"]["sdists"] == []
+    assert p["pip_lock_args"] == p["pip_source_args"] == "--no-index --find-links /opt/dscluster/wheelhouse"
     p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
                      dsc_torch_version="2.12.0", dsc_deepspeed_version="0.19.8")
     assert any("dsc_wheelhouse on host node1: its lock has torch 2.13.0+cpu, the plan wants torch==2.12.0"
@@ -620,12 +621,14 @@ def test_a_node_lock_from_an_index_splits_wheels_from_source_packages(tmp_path):
     pins = dict(dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
     p, errors = plan(dsc_node_lock=str(lock), dsc_pip_index_url="http://10.0.0.5:8080/simple", **pins)
     assert errors == [] and p["lock"] == {"from": "index", "wheels": lines[:2], "sdists": lines[2:]}
-    assert p["pip_index_args"] == "--index-url http://10.0.0.5:8080/simple --trusted-host 10.0.0.5:8080"
-    assert p["pip_offline_args"] == ""
+    index = "--index-url http://10.0.0.5:8080/simple --trusted-host 10.0.0.5:8080"
+    assert p["pip_source_args"] == index
+    assert p["pip_lock_args"] == f"{index} --extra-index-url https://download.pytorch.org/whl/cpu"
     # plain HTTP only when every file is checked against the lock
     assert any("plain HTTP, and no dsc_node_lock" in e for e in plan(dsc_pip_index_url="http://10.0.0.5/simple")[1])
     p, errors = plan(dsc_pip_index_url="https://mirror.example/simple")
-    assert errors == [] and p["pip_index_args"] == "--index-url https://mirror.example/simple"
+    assert errors == [] and p["pip_source_args"] == "--index-url https://mirror.example/simple"
+    assert p["pip_torch_args"] == "--index-url https://download.pytorch.org/whl/cpu"  # torch from its own
     # source packages need the lock's own setuptools (no isolated, unchecked build environment)
     lock.write_text("\n".join([lines[0], lines[2]]) + "\n")
     assert any("dsc_node_lock on host node1" in e and "no setuptools" in e and "scripts/nodelock.sh" in e
@@ -640,6 +643,9 @@ def test_a_node_lock_from_an_index_splits_wheels_from_source_packages(tmp_path):
     ("dsc_pip_index_url", "ftp://mirror/simple", "Fix: an http(s) URL"),
     ("dsc_pip_index_url", "https://mirror/simple --trusted-host evil", "Fix: an http(s) URL"),
     ("dsc_pip_index_url", "https://mirror/simple;id", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/$(touch /tmp/pwned)", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/simple\n--trusted-host evil", "Fix: an http(s) URL"),
+    ("dsc_node_lock", "/tmp/../nonexistent/nodes.lock", "which is not a file on the control node"),
 ])
 def test_bad_node_lock_and_index_are_refused(var, value, message):
     errors = plan(**{var: value})[1]
