@@ -8,7 +8,8 @@ The model is GPT-2 124M (12 x 768, 12 heads, 50257-token vocabulary, random init
 bf16, micro-batch 8, on the fixture's tokenizer and text (repeated). The figure compared is HF's
 own `train_samples_per_second` over `--max_steps` steps, from each run's log (its clock starts after
 the DeepSpeed engine is set up, so a long run leaves only the first steps' warm-up in it). Reps alternate
-which side goes first. Writes OUT_DIR/clm.json and each run's log.
+which side goes first (--first: the first rep's). Writes OUT_DIR/clm.json and each run's log.
+`gpu_clm.py --pool A/clm.json B/clm.json ...` pools the pairs of several calls (here, no GPU).
 """
 import argparse
 import json
@@ -100,13 +101,37 @@ def by_hand(template, run_id, steps, out):
     return {"samples_per_s": samples_per_s(r.stdout), "wall_s": round(wall, 1)}
 
 
+def pool(paths):
+    """Every pair from several calls' clm.json: per preset the medians of each side, their ratio,
+    and each pair's ratio (pairs are the runs of one rep, in the order they were made)."""
+    pooled = {}
+    for path in paths:
+        for preset, rows in json.loads(Path(path).read_text()).items():
+            into = pooled.setdefault(preset, {"launch": [], "hand": [], "pairs": []})
+            for launch, hand in zip(rows["launch"], rows["hand"]):
+                into["launch"].append(launch["samples_per_s"])
+                into["hand"].append(hand["samples_per_s"])
+                into["pairs"].append(round(launch["samples_per_s"] / hand["samples_per_s"], 3))
+    for preset, rows in pooled.items():
+        rows["ratio"] = round(statistics.median(rows["launch"]) / statistics.median(rows["hand"]), 3)
+        print(f"{preset}: {len(rows['pairs'])} pairs, launch.yml median {statistics.median(rows['launch']):.1f} "
+              f"samples/s, by hand {statistics.median(rows['hand']):.1f}, ratio {rows['ratio']}; "
+              f"pair ratios {rows['pairs']}")
+    return pooled
+
+
 def main():
+    if sys.argv[1:2] == ["--pool"]:  # gpu_clm.py --pool A/clm.json B/clm.json ...
+        print(json.dumps(pool(sys.argv[2:]), indent=1))
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--presets", nargs="+", default=["zero2", "zero3"])
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--provision", action="store_true")
+    p.add_argument("--first", choices=["launch", "hand"], default="launch",
+                   help="the side that goes first in the first rep (later reps alternate)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +146,7 @@ def main():
         rows = results.setdefault(preset, {"launch": [], "hand": []})
         for rep in range(a.reps):
             stamp = f"{preset}-{int(time.time())}"
-            sides = ["launch", "hand"] if rep % 2 == 0 else ["hand", "launch"]
+            sides = ["launch", "hand"] if (rep + (a.first == "hand")) % 2 == 0 else ["hand", "launch"]
             template = None
             if sides[0] == "hand":  # the hand side needs a run directory to copy: launch first once
                 template = f"clm-{stamp}-t"
@@ -133,7 +158,9 @@ def main():
                     template = template or run_id
                 else:
                     rows["hand"].append(by_hand(template, f"hand-{stamp}", a.steps, out))
+                rows[side][-1]["first"] = sides[0]
                 print(preset, side, rows[side][-1], flush=True)
+                (out / "clm.json").write_text(json.dumps(results, indent=1))
         launch = statistics.median(r["samples_per_s"] for r in rows["launch"])
         hand = statistics.median(r["samples_per_s"] for r in rows["hand"])
         rows["ratio"] = round(launch / hand, 3)
