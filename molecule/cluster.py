@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("DSC_TEST_STATE", ROOT / ".cache" / "testcluster"))
 IMAGE = os.environ.get("DSC_IMAGE", "localhost/dscluster-node:bookworm")
+# systemd as PID 1 with dbus and firewalld (scripts/node-systemd.Containerfile).
+SYSTEMD_IMAGE = os.environ.get("DSC_SYSTEMD_IMAGE", "localhost/dscluster-node:bookworm-systemd")
 NETWORK = "dsc-test"
 SUBNET = "10.89.77.0/24"
 SUBNET6 = "fd89:77::/64"
@@ -96,6 +98,31 @@ def start(name, hostname, ip, ip6, port):
        f"&& /usr/sbin/sshd -p {port} && exec sleep infinity")
 
 
+def start_systemd(name, hostname, ip, ip6):
+    """A node of the systemd image on the test network: systemd starts dbus, firewalld and sshd
+    (port 22, host keys made at its start). NET_ADMIN is what firewalld needs of the kernel."""
+    sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
+       "--network", NETWORK, "--ip", ip, "--ip6", ip6,
+       "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--cap-add", "AUDIT_WRITE", SYSTEMD_IMAGE)
+
+
+def authorize(container, pub, timeout=60):
+    """The control key in the container's root authorized_keys; its ed25519 host key
+    ("type base64"), once sshd's start has made it."""
+    sh("podman", "exec", "-i", container, "sh", "-c",
+       "mkdir -p -m 700 /root/.ssh && cat > /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys",
+       input=pub)
+    deadline = time.time() + timeout
+    while True:
+        r = sh("podman", "exec", container, "cat", "/etc/ssh/ssh_host_ed25519_key.pub", check=False)
+        if r.returncode == 0 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    if r.returncode != 0:
+        raise RuntimeError(f"{container} has no SSH host key after {timeout} s: {r.stderr}")
+    return " ".join(r.stdout.split()[:2])
+
+
 def up(nodes):
     if (STATE / "cluster.json").exists():
         info = json.loads((STATE / "cluster.json").read_text())
@@ -118,18 +145,8 @@ def up(nodes):
     start(OUTSIDER, "outsider", OUTSIDER_IP, OUTSIDER_IP6, 22)
     known = []
     for h in hosts + [{"name": "outsider", "ip": OUTSIDER_IP, "port": 22}]:
-        c = PREFIX + h["name"]
-        sh("podman", "exec", "-i", c, "sh", "-c",
-           "mkdir -p -m 700 /root/.ssh && cat > /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys",
-           input=pub)
-        for _ in range(50):
-            r = sh("podman", "exec", c, "cat", "/etc/ssh/ssh_host_ed25519_key.pub", check=False)
-            if r.returncode == 0:
-                break
-            time.sleep(0.2)
-        hostkey = " ".join(r.stdout.split()[:2])
         addr = h["ip"] if h["port"] == 22 else f"[{h['ip']}]:{h['port']}"
-        known.append(f"{addr} {hostkey}")
+        known.append(f"{addr} {authorize(PREFIX + h['name'], pub)}")
     (STATE / "known_hosts").write_text("\n".join(known) + "\n")
     write_inventory(hosts)
     wait_ssh(hosts + [{"name": "outsider", "ip": OUTSIDER_IP, "port": 22}])
@@ -145,16 +162,16 @@ def start_sshd(node):
     wait_ssh([h])
 
 
-def ssh_args():
-    return ["-i", str(STATE / "id_ed25519"), "-o", f"UserKnownHostsFile={STATE / 'known_hosts'}",
+def ssh_args(known_hosts=STATE / "known_hosts"):
+    return ["-i", str(STATE / "id_ed25519"), "-o", f"UserKnownHostsFile={known_hosts}",
             "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
 
 
-def wait_ssh(hosts, timeout=60):
+def wait_ssh(hosts, timeout=60, known_hosts=STATE / "known_hosts"):
     deadline = time.time() + timeout
     for h in hosts:
         while True:
-            r = sh("ssh", *ssh_args(), "-p", str(h["port"]), f"root@{h['ip']}", "true", check=False)
+            r = sh("ssh", *ssh_args(known_hosts), "-p", str(h["port"]), f"root@{h['ip']}", "true", check=False)
             if r.returncode == 0:
                 break
             if time.time() > deadline:
@@ -162,8 +179,9 @@ def wait_ssh(hosts, timeout=60):
             time.sleep(0.5)
 
 
-def write_inventory(hosts):
-    inv = STATE / "inventory"
+def write_inventory(hosts, inv=STATE / "inventory", known_hosts=STATE / "known_hosts", extra=""):
+    """The inventory of `hosts` (the cluster's, or another set of the test network's nodes, with
+    their own known_hosts and `extra` group settings)."""
     (inv / "group_vars").mkdir(parents=True, exist_ok=True)
     lines = ["# Written by molecule/cluster.py for the test cluster.", "all:", "  children:",
              "    cluster:", "      hosts:"]
@@ -175,14 +193,14 @@ def write_inventory(hosts):
     (inv / "group_vars" / "all.yml").write_text(f"""---
 ansible_user: root
 ansible_ssh_private_key_file: {STATE / 'id_ed25519'}
-ansible_ssh_common_args: -o UserKnownHostsFile={STATE / 'known_hosts'}
+ansible_ssh_common_args: -o UserKnownHostsFile={known_hosts}
 dsc_cluster_name: testcluster
 dsc_env_manager: venv
 dsc_torch_variant: cpu
 dsc_wheelhouse: {wheelhouse}
 # The vendored third-party scripts' packages (molecule/tests/test_own_scripts.py).
 dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.txt'}
-""")
+""" + extra)
 
 
 def lock_pins(text):

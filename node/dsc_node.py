@@ -504,6 +504,13 @@ def free_gib(path):
 
 
 def firewall(first, last):
+    """The node's firewall: firewalld when it is running (a node may have ufw installed beside
+    it, inactive), else ufw when installed, with whether the toolkit's master-port rule is there."""
+    if shutil.which("firewall-cmd"):
+        rc, out, _ = run(["firewall-cmd", "--state"])
+        if out.strip() == "running" or not shutil.which("ufw"):
+            return {"tool": "firewalld", "state": "active" if out.strip() == "running" else "inactive",
+                    "master_rule": None}
     if shutil.which("ufw"):
         rc, out, err = run(["ufw", "status"])
         state = "active" if "Status: active" in out else "inactive" if rc == 0 else "unknown"
@@ -511,10 +518,6 @@ def firewall(first, last):
         ports = f"{first}:{last}" if str(first) != str(last) else f"{first}"
         return {"tool": "ufw", "state": state, "master_rule": f"{ports}/tcp" in out,
                 "detail": (out or err).strip().splitlines()[0:1]}
-    if shutil.which("firewall-cmd"):
-        rc, out, _ = run(["firewall-cmd", "--state"])
-        return {"tool": "firewalld", "state": "active" if out.strip() == "running" else "inactive",
-                "master_rule": None}
     return {"tool": None, "state": "none", "master_rule": None}
 
 

@@ -35,6 +35,8 @@ CLUSTER_GROUP = "cluster"
 MASTER_GROUP = "master"
 ENV_MANAGERS = ("conda", "venv", "existing")
 LAUNCH_MODES = ("pdsh", "no_ssh")
+# The host firewall roles/cluster_network manages: auto is ufw on Debian/Ubuntu, firewalld on RHEL.
+FIREWALL_BACKENDS = ("auto", "ufw", "firewalld")
 # CUDA variants and the package index each maps to (pytorch.org wheel indexes); "pypi" is the
 # node's own pip configuration (PyPI or a site mirror).
 TORCH_INDEXES = {
@@ -58,6 +60,7 @@ CLUSTER_SETTINGS = (
     "dsc_conda_accept_tos", "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
     "dsc_requirements", "dsc_requirements_file", "dsc_data_dir", "dsc_data_shared",
+    "cluster_network_firewall_backend",
 )
 # Checked like a cluster setting, but its values never enter the plan or a message (names only).
 SECRET_SETTINGS = ("dsc_secrets",)
@@ -299,6 +302,10 @@ def _check_settings(s, first, problems, check_dir):
     if s["dsc_launch_mode"] not in LAUNCH_MODES:
         problems.add(f"dsc_launch_mode {where} is {s['dsc_launch_mode']!r}. Fix: one of "
                      f"{', '.join(LAUNCH_MODES)}.")
+    if s["cluster_network_firewall_backend"] not in FIREWALL_BACKENDS:
+        problems.add(f"cluster_network_firewall_backend {where} is "
+                     f"{shown(s['cluster_network_firewall_backend'])}. Fix: one of {', '.join(FIREWALL_BACKENDS)} "
+                     f"(auto: ufw on Debian and Ubuntu, firewalld on the RHEL family).")
     if not _is_int(s["dsc_pg_timeout_min"]) or int(s["dsc_pg_timeout_min"]) <= 0:
         problems.add(f"dsc_pg_timeout_min {where} is {s['dsc_pg_timeout_min']!r}. Fix: minutes, "
                      f"a positive whole number.")
@@ -1370,6 +1377,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "master_port_first": int(s["dsc_master_port"]),
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],
+        "firewall_backend": s["cluster_network_firewall_backend"],
         "node_env": node_env, "rank_env": rank_env,
         "helper": helper_module.INSTALLED_PATH, "helper_src": helper_src,
         "helper_sha256": helper_module.sha256(helper_src),

@@ -111,6 +111,8 @@ BAD = [
     ({"dsc_python_version": "python3"}, "dsc_python_version on host node1 is 'python3'"),
     ({"dsc_cluster_name": "lab/a"}, "dsc_cluster_name on host node1 is 'lab/a'"),
     ({"dsc_launch_mode": "mpi"}, "dsc_launch_mode on host node1 is 'mpi'"),
+    ({"cluster_network_firewall_backend": "iptables;id"},
+     "cluster_network_firewall_backend on host node1 is 'iptables;id'. Fix: one of auto, ufw, firewalld"),
     ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(id)"}}, "the value of NCCL_DEBUG is 'WARN$(id)'"),
     ({"dsc_rank_env": {"HF_TOKEN": "abc"}}, "HF_TOKEN looks like a secret"),
     ({"dsc_rank_env": {"BAD NAME": "x"}}, "'BAD NAME' is not a plain variable name"),

@@ -1,0 +1,130 @@
+"""firewalld as the cluster's firewall (cluster_network_firewall_backend: firewalld, with
+default-deny), on two more nodes of the test network that run systemd, dbus and firewalld
+(scripts/node-systemd.Containerfile), reached over SSH as the cluster's nodes are:
+`provision.yml --tags network` (the plan, the training user and roles/cluster_network alone; no
+torch on these nodes). The outsider container is the rest of the site's network."""
+import subprocess
+import time
+
+import pytest
+
+import cluster as tc
+
+GATEWAY = tc.SUBNET.rsplit(".", 1)[0] + ".1"  # the control node as the nodes see it
+NODES = [{"name": f"fwd{i}", "ip": f"10.89.77.{30 + i}", "ip6": f"fd89:77::{30 + i}", "port": 22}
+         for i in (1, 2)]
+FIREWALLD = "cluster_network_firewall_backend: firewalld\ncluster_network_default_deny: true\n"
+
+
+@pytest.fixture(scope="module")
+def fwd(cluster, tmp_path_factory):
+    """The two systemd nodes (the main cluster's network, control key and outsider), their
+    inventory, and the first provision.yml --tags network on them."""
+    where = tmp_path_factory.mktemp("firewalld")
+    containers = [tc.PREFIX + h["name"] for h in NODES]
+    pub = (tc.STATE / "id_ed25519.pub").read_text()
+    try:
+        for h in NODES:
+            tc.start_systemd(tc.PREFIX + h["name"], h["name"], h["ip"], h["ip6"])
+        known = [f"{h['ip']} {tc.authorize(tc.PREFIX + h['name'], pub)}" for h in NODES]
+        (where / "known_hosts").write_text("\n".join(known) + "\n")
+        tc.write_inventory(NODES, inv=where / "inventory", known_hosts=where / "known_hosts",
+                           extra=FIREWALLD)
+        tc.wait_ssh(NODES, known_hosts=where / "known_hosts")
+        first = cluster.playbook("provision.yml", "--tags", "network", inventory=where / "inventory")
+        yield {"where": where, "inventory": where / "inventory", "first": first}
+    finally:
+        tc.sh("podman", "rm", "-f", "-t", "0", *containers, check=False)
+
+
+def _fw(cluster, node, *args):
+    return cluster.exec(node, "firewall-cmd " + " ".join(args)).stdout.split()
+
+
+def _reaches(cluster, container, addr, port, v6=False):
+    r = subprocess.run(["podman", "exec", container, "nc", *(["-6"] if v6 else []), "-z", "-w", "3",
+                        addr, str(port)], capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def test_firewalld_scopes_the_cluster_and_keeps_ssh_open_from_the_control_node(fwd, cluster):
+    first = fwd["first"]
+    assert first.returncode == 0, first.output[-5000:]
+    assert "Set up the firewall (firewalld)" in first.output
+    for h in NODES:
+        node = h["name"]
+        assert _fw(cluster, node, "--state") == ["running"]
+        assert _fw(cluster, node, "--get-default-zone") == ["drop"]
+        assert sorted(_fw(cluster, node, "--zone=trusted", "--list-sources")) == sorted(n["ip"] for n in NODES)
+        rich = cluster.exec(node, "firewall-cmd --zone=drop --list-rich-rules").stdout
+        assert f'source address="{GATEWAY}"' in rich and 'port port="22"' in rich, rich
+        assert "29500" not in " ".join(_fw(cluster, node, "--zone=drop", "--list-ports")), \
+            "the master ports are open in the default zone"
+    # Everything again, after the switch to drop: SSH from the control node still works (the
+    # playbook connects), and nothing changes.
+    again = cluster.playbook("provision.yml", "--tags", "network", inventory=fwd["inventory"])
+    assert again.returncode == 0, again.output[-5000:]
+    changed = [block.splitlines()[0] for block in again.output.split("TASK [")[1:] if "changed: [" in block]
+    assert all(again.recap[h["name"]]["changed"] == 0 for h in NODES), changed
+
+
+def test_firewalld_master_port_and_ssh_reach_only_from_the_cluster(fwd, cluster):
+    master, other = NODES[0], NODES[1]
+    # A listener on the master port over both families (one dual-stack socket), for 60 s.
+    subprocess.Popen(["podman", "exec", tc.PREFIX + master["name"], "python3", "-c",
+                      "import socket,time; s=socket.socket(socket.AF_INET6); "
+                      "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); "
+                      "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                      "s.bind(('::', 29500)); s.listen(8); time.sleep(60)"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.5)
+        assert _reaches(cluster, tc.PREFIX + other["name"], master["ip"], 29500)
+        assert not _reaches(cluster, tc.OUTSIDER, master["ip"], 29500), "the outsider reached the master port"
+        assert not _reaches(cluster, tc.OUTSIDER, master["ip6"], 29500, v6=True), \
+            "the outsider reached the master port over IPv6"
+        # default-deny: SSH from the cluster, not from the rest of the network.
+        assert _reaches(cluster, tc.PREFIX + other["name"], master["ip"], 22)
+        assert not _reaches(cluster, tc.OUTSIDER, master["ip"], 22), "the outsider reached SSH"
+    finally:
+        cluster.exec(master["name"], "pkill -f '[t]ime.sleep.60.' || true")
+
+
+def test_firewalld_removes_what_the_toolkit_added_and_no_longer_wants(fwd, cluster):
+    """An SSH source listed on one run and dropped on the next: its rule goes, the site's own
+    rule (added by hand, not recorded) stays."""
+    site = 'rule family="ipv4" source address="10.89.77.98" port port="22" protocol="tcp" accept'
+    old = 'rule family="ipv4" source address="10.89.77.99" port port="22" protocol="tcp" accept'
+    node = NODES[0]["name"]
+    cluster.exec(node, f"firewall-cmd --permanent --zone=drop --add-rich-rule='{site}' && firewall-cmd --reload")
+    listed = fwd["where"] / "inventory-listed"
+    tc.write_inventory(NODES, inv=listed, known_hosts=fwd["where"] / "known_hosts",
+                       extra=FIREWALLD + "cluster_network_ssh_sources: [10.89.77.99]\n")
+    r = cluster.playbook("provision.yml", "--tags", "network", inventory=listed)
+    assert r.returncode == 0, r.output[-5000:]
+    assert old in cluster.exec(node, "firewall-cmd --zone=drop --list-rich-rules").stdout
+    r = cluster.playbook("provision.yml", "--tags", "network", inventory=fwd["inventory"])
+    assert r.returncode == 0, r.output[-5000:]
+    rich = cluster.exec(node, "firewall-cmd --zone=drop --list-rich-rules").stdout
+    assert old not in rich and site in rich, rich
+    assert f'source address="{GATEWAY}"' in rich, rich
+    # permanent too: a reload brings back neither the old rule nor loses the site's
+    rich = cluster.exec(node, "firewall-cmd --reload >/dev/null && firewall-cmd --zone=drop --list-rich-rules").stdout
+    assert old not in rich and site in rich, rich
+
+
+def test_ufw_is_refused_on_nodes_that_run_firewalld(fwd, cluster):
+    """Asking for ufw where firewalld runs is refused, naming the host and the setting, before the
+    firewall is touched: ufw is not installed and firewalld's zones are as they were."""
+    inv = fwd["where"] / "inventory-ufw"
+    tc.write_inventory(NODES, inv=inv, known_hosts=fwd["where"] / "known_hosts",
+                       extra="cluster_network_firewall_backend: ufw\n")
+    before = {h["name"]: cluster.exec(h["name"], "firewall-cmd --list-all-zones").stdout for h in NODES}
+    r = cluster.playbook("provision.yml", "--tags", "network", inventory=inv)
+    assert r.returncode != 0
+    for h in NODES:
+        assert (f"{h['name']}: firewalld is running there, and cluster_network_firewall_backend makes "
+                f"the toolkit manage ufw") in " ".join(r.output.split()), r.output[-3000:]
+        assert r.recap[h["name"]]["changed"] == 0, r.recap
+        assert cluster.exec(h["name"], "command -v ufw", check=False).returncode != 0
+        assert cluster.exec(h["name"], "firewall-cmd --list-all-zones").stdout == before[h["name"]]
