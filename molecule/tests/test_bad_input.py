@@ -12,6 +12,10 @@ CASES = [
     ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(touch /tmp/pwned)"}}, ["the value of NCCL_DEBUG is 'WARN$(touch /tmp/pwned)'"]),
     ({"dsc_pip_index_url": "https://mirror/simple --trusted-host evil;touch /tmp/pwned"},
      ["dsc_pip_index_url on host node1 is 'https://mirror/simple --trusted-host evil;touch /tmp/pwned'"]),
+    ({"cluster_network_ssh_sources": ["10.0.0.1 comment x;touch /tmp/pwned"]},
+     ["cluster_network_ssh_sources on host node1 is ['10.0.0.1 comment x;touch /tmp/pwned']"]),
+    ({"cluster_network_firewall_backend": "iptables"},
+     ["cluster_network_firewall_backend on host node1 is 'iptables'"]),
 ]
 
 

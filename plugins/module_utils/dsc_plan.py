@@ -60,7 +60,7 @@ CLUSTER_SETTINGS = (
     "dsc_conda_accept_tos", "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
     "dsc_requirements", "dsc_requirements_file", "dsc_data_dir", "dsc_data_shared",
-    "cluster_network_firewall_backend",
+    "cluster_network_firewall_backend", "cluster_network_ssh_sources",
 )
 # Checked like a cluster setting, but its values never enter the plan or a message (names only).
 SECRET_SETTINGS = ("dsc_secrets",)
@@ -169,6 +169,17 @@ class Problems:
 def shown(value):
     """A value as a message shows it: numbers plain (-e gives them as strings), the rest quoted."""
     return str(int(value)) if _is_int(value) else repr(value)
+
+
+def _ssh_source(text):
+    """An entry of cluster_network_ssh_sources: 'any', or an address or network of either family."""
+    if not isinstance(text, str) or text.strip().lower() == "any":
+        return isinstance(text, str)
+    try:
+        ipaddress.ip_network(text.strip(), strict=False)
+        return True
+    except ValueError:
+        return False
 
 
 def _is_int(value):
@@ -306,6 +317,11 @@ def _check_settings(s, first, problems, check_dir):
         problems.add(f"cluster_network_firewall_backend {where} is "
                      f"{shown(s['cluster_network_firewall_backend'])}. Fix: one of {', '.join(FIREWALL_BACKENDS)} "
                      f"(auto: ufw on Debian and Ubuntu, firewalld on the RHEL family).")
+    sources = s["cluster_network_ssh_sources"]
+    if not isinstance(sources, list) or not all(_ssh_source(x) for x in sources):
+        problems.add(f"cluster_network_ssh_sources {where} is {shown(sources)}. Fix: a list of "
+                     f"addresses or networks (IPv4 or IPv6), e.g. [192.0.2.10, 2001:db8::/64], or "
+                     f"[any] to allow SSH from everywhere.")
     if not _is_int(s["dsc_pg_timeout_min"]) or int(s["dsc_pg_timeout_min"]) <= 0:
         problems.add(f"dsc_pg_timeout_min {where} is {s['dsc_pg_timeout_min']!r}. Fix: minutes, "
                      f"a positive whole number.")
@@ -1378,6 +1394,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],
         "firewall_backend": s["cluster_network_firewall_backend"],
+        "ssh_sources": s["cluster_network_ssh_sources"],
         "node_env": node_env, "rank_env": rank_env,
         "helper": helper_module.INSTALLED_PATH, "helper_src": helper_src,
         "helper_sha256": helper_module.sha256(helper_src),

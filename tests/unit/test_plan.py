@@ -111,6 +111,10 @@ BAD = [
     ({"dsc_python_version": "python3"}, "dsc_python_version on host node1 is 'python3'"),
     ({"dsc_cluster_name": "lab/a"}, "dsc_cluster_name on host node1 is 'lab/a'"),
     ({"dsc_launch_mode": "mpi"}, "dsc_launch_mode on host node1 is 'mpi'"),
+    ({"cluster_network_ssh_sources": ["bastion.example.com"]},
+     "cluster_network_ssh_sources on host node1 is ['bastion.example.com']. Fix: a list of addresses"),
+    ({"cluster_network_ssh_sources": ["10.0.0.1\nProxyCommand x"]}, "cluster_network_ssh_sources on host node1"),
+    ({"cluster_network_ssh_sources": "any"}, "cluster_network_ssh_sources on host node1 is 'any'. Fix: a list"),
     ({"cluster_network_firewall_backend": "iptables;id"},
      "cluster_network_firewall_backend on host node1 is 'iptables;id'. Fix: one of auto, ufw, firewalld"),
     ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(id)"}}, "the value of NCCL_DEBUG is 'WARN$(id)'"),
@@ -262,6 +266,15 @@ def test_entry_script_outside_the_code_dir_is_refused(tmp_path):
     assert any("dsc_entry_script is '../x.py'" in e for e in errors)
     p, errors = plan(options={"dsc_code_dir": str(tmp_path), "dsc_entry_script": "missing.py"}, full_run=True)
     assert any("which is not in dsc_code_dir" in e for e in errors)
+
+
+def test_firewall_settings_reach_the_plan_checked():
+    p, errors = plan(cluster_network_ssh_sources=["any", "192.0.2.0/24", "2001:db8::1"],
+                     cluster_network_firewall_backend="firewalld")
+    assert not errors
+    assert p["ssh_sources"] == ["any", "192.0.2.0/24", "2001:db8::1"] and p["firewall_backend"] == "firewalld"
+    p, errors = plan()
+    assert p["ssh_sources"] == [] and p["firewall_backend"] == "auto"
 
 
 def test_no_ssh_mode_gives_one_launcher_per_node():
