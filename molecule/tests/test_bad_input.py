@@ -15,7 +15,8 @@ CASES = [
     ({"cluster_network_ssh_sources": ["10.0.0.1 comment x;touch /tmp/pwned"]},
      ["cluster_network_ssh_sources on host node1 is ['10.0.0.1 comment x;touch /tmp/pwned']"]),
     ({"cluster_network_firewall_backend": "iptables"},
-     ["cluster_network_firewall_backend on host node1 is 'iptables'"]),
+     ["value of cluster_network_firewall_backend must be one of: auto, ufw, firewalld, got: iptables",
+      "fatal: [node1]"]),
 ]
 
 

@@ -1,10 +1,14 @@
-"""The toolkit's firewall rules (roles/cluster_network), and what to change in ufw so that they lead
-the node's rule list in order.
+"""The toolkit's firewall rules (roles/cluster_network), what to change in ufw so that they lead
+the node's rule list in order, and what to put in firewalld and take out of it.
 
     {{ dsc_plan.addrs | dsc_firewall_rules(ssh_port, ssh_sources, first, last, control_addr, ipv6) }}
         -> the toolkit's rules, in order: IPv4 ones, then IPv6 ones (firewalld reads the SSH ones)
     {{ wanted | dsc_ufw_changes(user_rules, user6_rules) }}
         -> {delete: [...], insert: [...], replaced: [...]}
+    {{ wanted | dsc_firewalld_entries(ssh_port, addrs, zones, before) }}
+        -> {ports: [[zone, "22/tcp"]], rich_rules: [[zone, rule]], sources: [["trusted", addr]]}
+    {{ before | dsc_firewalld_stale(entries) }}
+        -> [[kind, [zone, item]]]: what an earlier run added and this one no longer wants
 
 ufw is first-match and keeps its rules in /etc/ufw/user.rules (IPv4) and user6.rules (IPv6), one
 `### tuple ###` line per rule; `ufw status numbered` and `ufw delete NUM` number the IPv4 rules
@@ -201,9 +205,38 @@ def changes(wanted_rules, user_rules, user6_rules):
     return {"delete": delete, "insert": insert, "replaced": replaced}
 
 
+FIREWALLD_KINDS = ("ports", "rich_rules", "sources")
+
+
+def firewalld_entries(rules, ssh_port, addrs, zones, before=None):
+    """What the toolkit puts in firewalld, as {kind: [[zone, item], ...]}: SSH in every zone of
+    `zones` and every zone an earlier run (`before`, the node's record) opened it in, as a port
+    when a source is anywhere, else one rich rule per source of the toolkit's SSH rules (`rules`,
+    from wanted()); the cluster's addresses as sources of the trusted zone. Sorted zones: the
+    same wanted state gives the same record."""
+    before = before or {}
+    zones = sorted(set(zones) | {z for kind in ("ports", "rich_rules") for z, _ in before.get(kind, [])})
+    ssh = [r for r in rules if r["comment"] == "dscluster ssh"]
+    port = int(ssh_port)
+    rich = [f'rule family="{"ipv4" if r["family"] == "v4" else "ipv6"}" source address="{r["from_ip"]}" '
+            f'port port="{port}" protocol="tcp" accept' for r in ssh if r["from_ip"] != ANY[r["family"]]]
+    anywhere = len(rich) < len(ssh)
+    return {"ports": [[z, f"{port}/tcp"] for z in zones] if anywhere else [],
+            "rich_rules": [[z, rule] for z in zones for rule in rich],
+            "sources": [["trusted", a] for a in addrs or []]}
+
+
+def firewalld_stale(before, entries):
+    """[kind, [zone, item]] for each entry an earlier run recorded that is no longer wanted."""
+    return [[kind, e] for kind in FIREWALLD_KINDS for e in (before or {}).get(kind, [])
+            if e not in entries.get(kind, [])]
+
+
 class FilterModule:
     def filters(self):
         return {
             "dsc_firewall_rules": wanted,
             "dsc_ufw_changes": changes,
+            "dsc_firewalld_entries": firewalld_entries,
+            "dsc_firewalld_stale": firewalld_stale,
         }

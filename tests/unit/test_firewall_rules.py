@@ -231,3 +231,33 @@ def test_application_rules_are_numbered_once():
     ch = fw.changes(rules, files(rules)("v4", tail=app + [stale]), files(rules)("v6"))
     n4 = len([r for r in rules if r["family"] == "v4"])
     assert [d["number"] for d in ch["delete"]] == [n4 + 2]
+
+
+# firewalld (roles/cluster_network/tasks/firewalld.yml): what goes in, and what an earlier run's
+# record says to take out.
+def rich(src, port=22, family="ipv4"):
+    return f'rule family="{family}" source address="{src}" port port="{port}" protocol="tcp" accept'
+
+
+def test_firewalld_entries_put_ssh_in_every_zone_and_the_cluster_in_trusted():
+    e = fw.firewalld_entries(want(), 22, ADDRS, ["public", "drop", "public"])
+    assert e["ports"] == []
+    assert e["rich_rules"] == [[z, rich(s)] for z in ("drop", "public")
+                               for s in ("10.89.77.1", "10.89.77.11", "10.89.77.12")]
+    assert e["sources"] == [["trusted", "10.89.77.11"], ["trusted", "10.89.77.12"]]
+
+
+def test_firewalld_entries_open_the_port_for_any_and_keep_earlier_zones():
+    before = {"rich_rules": [["work", rich("10.89.77.1")]], "ports": [], "sources": []}
+    e = fw.firewalld_entries(want(ssh_sources=["any", "2001:db8::/64"]), 2222, ADDRS, ["drop"], before)
+    assert e["ports"] == [["drop", "2222/tcp"], ["work", "2222/tcp"]]
+    assert ["drop", rich("2001:db8::/64", 2222, "ipv6")] in e["rich_rules"]
+    assert {z for z, _ in e["rich_rules"]} == {"drop", "work"}
+
+
+def test_firewalld_stale_is_what_an_earlier_run_added_and_is_no_longer_wanted():
+    old = fw.firewalld_entries(want(ssh_sources=["192.0.2.7"]), 22, ADDRS + ["10.89.77.13"], ["public"])
+    new = fw.firewalld_entries(want(), 22, ADDRS, ["public"], old)
+    assert fw.firewalld_stale(old, new) == [["rich_rules", ["public", rich("192.0.2.7")]],
+                                            ["sources", ["trusted", "10.89.77.13"]]]
+    assert fw.firewalld_stale(new, new) == [] and fw.firewalld_stale({}, new) == []
