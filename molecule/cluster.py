@@ -249,6 +249,20 @@ class Cluster:
             assert r.returncode == 0, f"{node}: {cmd}: {r.stdout}{r.stderr}"
         return r
 
+    def listen(self, node, port=29500, seconds=60):
+        """A listener on a node's port over IPv4 and IPv6 (one dual-stack socket) for `seconds`;
+        stop_listening ends it (it outlives its podman exec client)."""
+        subprocess.Popen(["podman", "exec", PREFIX + node, "python3", "-c",
+                          "import socket,time; s=socket.socket(socket.AF_INET6); "
+                          "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); "
+                          "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                          f"s.bind(('::', {int(port)})); s.listen(8); time.sleep({int(seconds)})"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.5)
+
+    def stop_listening(self, node, seconds=60):
+        self.exec(node, f"pkill -f '[t]ime.sleep.{int(seconds)}.' || true")
+
     def versions(self, node, python, names):
         """{distribution: installed version} in a node's env, read as the training user."""
         probe = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"

@@ -4,7 +4,6 @@ default-deny), on two more nodes of the test network that run systemd, dbus and 
 `provision.yml --tags network` (the plan, the training user and roles/cluster_network alone; no
 torch on these nodes). The outsider container is the rest of the site's network."""
 import subprocess
-import time
 
 import pytest
 
@@ -70,15 +69,8 @@ def test_firewalld_scopes_the_cluster_and_keeps_ssh_open_from_the_control_node(f
 
 def test_firewalld_master_port_and_ssh_reach_only_from_the_cluster(fwd, cluster):
     master, other = NODES[0], NODES[1]
-    # A listener on the master port over both families (one dual-stack socket), for 60 s.
-    subprocess.Popen(["podman", "exec", tc.PREFIX + master["name"], "python3", "-c",
-                      "import socket,time; s=socket.socket(socket.AF_INET6); "
-                      "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); "
-                      "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-                      "s.bind(('::', 29500)); s.listen(8); time.sleep(60)"],
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cluster.listen(master["name"])
     try:
-        time.sleep(1.5)
         assert _reaches(cluster, tc.PREFIX + other["name"], master["ip"], 29500)
         assert not _reaches(cluster, tc.OUTSIDER, master["ip"], 29500), "the outsider reached the master port"
         assert not _reaches(cluster, tc.OUTSIDER, master["ip6"], 29500, v6=True), \
@@ -87,7 +79,7 @@ def test_firewalld_master_port_and_ssh_reach_only_from_the_cluster(fwd, cluster)
         assert _reaches(cluster, tc.PREFIX + other["name"], master["ip"], 22)
         assert not _reaches(cluster, tc.OUTSIDER, master["ip"], 22), "the outsider reached SSH"
     finally:
-        cluster.exec(master["name"], "pkill -f '[t]ime.sleep.60.' || true")
+        cluster.stop_listening(master["name"])
 
 
 def test_firewalld_removes_what_the_toolkit_added_and_no_longer_wants(fwd, cluster):

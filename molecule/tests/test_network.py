@@ -1,7 +1,6 @@
 """Name resolution, SSH trust, the firewall's scope and the ranks' environment."""
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from cluster import SUBNET, SUBNET6
@@ -26,21 +25,15 @@ def test_every_node_resolves_every_name_to_its_training_address(provisioned, clu
 
 def test_master_port_reachable_from_cluster_not_from_outsider(provisioned, cluster):
     master_ip = cluster.info["hosts"][0]["ip"]
-    listener = subprocess.Popen(["podman", "exec", "dsc-" + cluster.master, "python3", "-c",
-                                 "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
-                                 "s.bind(('0.0.0.0', 29500)); s.listen(8); time.sleep(30)"])
+    cluster.listen(cluster.master)
     try:
-        time.sleep(1.5)
         ok = cluster.exec(cluster.names[1], f"nc -z -w 3 {master_ip} 29500", check=False)
         assert ok.returncode == 0, ok.stderr
         out = subprocess.run(["podman", "exec", cluster.info["outsider"]["name"], "nc", "-z", "-w", "3",
                               master_ip, "29500"], capture_output=True, text=True)
         assert out.returncode != 0, "the outsider reached the master port"
     finally:
-        listener.kill()
-        # The listener inside the container outlives its podman exec client: end it, or it holds
-        # the master port into the next test.
-        cluster.exec(cluster.master, "pkill -f '[t]ime.sleep.30.' || true")
+        cluster.stop_listening(cluster.master)
 
 
 def test_ssh_from_control_node_still_works_after_firewall(provisioned, cluster):
@@ -81,21 +74,6 @@ def _outsider_reaches(cluster, addr, v6=False):
     return r.returncode == 0
 
 
-def _listen_on_master(cluster):
-    """A listener on the master port over IPv4 and IPv6 (one dual-stack socket), for 60 s."""
-    subprocess.Popen(["podman", "exec", "dsc-" + cluster.master, "python3", "-c",
-                      "import socket,time; s=socket.socket(socket.AF_INET6); "
-                      "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); "
-                      "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-                      "s.bind(('::', 29500)); s.listen(8); time.sleep(60)"],
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.5)
-
-
-def _stop_listening(cluster):
-    cluster.exec(cluster.master, "pkill -f '[t]ime.sleep.60.' || true")
-
-
 # What a site's admin typed on the master after the toolkit's provision (the test network's
 # subnets: the outsider's addresses are in them).
 STALE = SUBNET.rsplit(".", 1)[0] + ".99"  # an address in no container
@@ -128,13 +106,13 @@ def test_firewall_goes_ahead_of_an_active_sites_rules_over_ipv4_and_ipv6(provisi
             cluster.exec(master, cmd)
         before = _numbered(cluster, master)
         assert _first(before, "site lan") == 1, before
-        _listen_on_master(cluster)
+        cluster.listen(cluster.master)
         try:
             # The site's rules win: the setup means something.
             assert _outsider_reaches(cluster, h["ip"]), before
             assert _outsider_reaches(cluster, h["ip6"], v6=True), before
         finally:
-            _stop_listening(cluster)
+            cluster.stop_listening(cluster.master)
 
         r = cluster.playbook("provision.yml", timeout=900)
         assert r.returncode == 0, r.output[-5000:]
@@ -156,14 +134,14 @@ def test_firewall_goes_ahead_of_an_active_sites_rules_over_ipv4_and_ipv6(provisi
         assert "ALLOW IN    Anywhere (v6)" not in text and "29500:29510/tcp            ALLOW IN    Anywhere" not in text, text
         assert STALE not in text, text
 
-        _listen_on_master(cluster)
+        cluster.listen(cluster.master)
         try:
             assert not _outsider_reaches(cluster, h["ip"]), "the outsider reached the master port over IPv4"
             assert not _outsider_reaches(cluster, h["ip6"], v6=True), "the outsider reached the master port over IPv6"
             ok = cluster.exec(cluster.names[1], f"nc -z -w 3 {h['ip']} 29500", check=False)
             assert ok.returncode == 0, "a cluster node no longer reaches the master port"
         finally:
-            _stop_listening(cluster)
+            cluster.stop_listening(cluster.master)
     finally:
         for cmd in SITE_CLEANUP:
             cluster.exec(master, cmd, check=False)
