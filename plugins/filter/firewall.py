@@ -19,13 +19,17 @@ that is how stale ones (an old node address, port range or SSH source) are found
 """
 from __future__ import annotations
 
-import ipaddress
+import os
 import re
+import sys
 
 try:
     from ansible.errors import AnsibleFilterError
 except ImportError:  # pure-Python unit tests
     AnsibleFilterError = ValueError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
+from dsc_plan import ip_network  # noqa: E402  (plugins/module_utils/dsc_plan.py, pure Python)
 
 COMMENT_PREFIX = "dscluster"
 ANY = {"v4": "0.0.0.0/0", "v6": "::/0"}
@@ -33,17 +37,14 @@ _TUPLE = re.compile(r"^### tuple ###\s*(.*)$")
 
 
 def address(text, what="address"):
-    """(family, text as ufw writes it) for an address or CIDR: a host network as a plain address,
-    host bits cleared, IPv4-mapped IPv6 as IPv4, a zone (%eth0) dropped."""
-    raw = str(text).strip().split("%")[0]
+    """(family, text as ufw writes it) for an address or CIDR (dsc_plan.ip_network): a host
+    network as a plain address."""
     try:
-        net = ipaddress.ip_network(raw, strict=False)
+        net = ip_network(text)
     except ValueError:
         raise AnsibleFilterError(f"{what} {text!r} is not an IP address or CIDR. Fix: an address "
                                  f"such as 192.0.2.10 or 2001:db8::10, a network such as "
                                  f"192.0.2.0/24, or 'any'.") from None
-    if net.version == 6 and net.prefixlen == 128 and net.network_address.ipv4_mapped:
-        net = ipaddress.ip_network(net.network_address.ipv4_mapped)
     family = "v4" if net.version == 4 else "v6"
     if net.prefixlen == net.max_prefixlen:
         return family, str(net.network_address)

@@ -171,12 +171,21 @@ def shown(value):
     return str(int(value)) if _is_int(value) else repr(value)
 
 
+def ip_network(text):
+    """An address or CIDR of either family, as the firewall rules use it: host bits cleared, a
+    zone (%eth0) dropped, an IPv4-mapped IPv6 address as IPv4. ValueError when it is neither."""
+    net = ipaddress.ip_network(str(text).strip().split("%")[0], strict=False)
+    if net.version == 6 and net.prefixlen == 128 and net.network_address.ipv4_mapped:
+        net = ipaddress.ip_network(net.network_address.ipv4_mapped)
+    return net
+
+
 def _ssh_source(text):
     """An entry of cluster_network_ssh_sources: 'any', or an address or network of either family."""
     if not isinstance(text, str) or text.strip().lower() == "any":
         return isinstance(text, str)
     try:
-        ipaddress.ip_network(text.strip(), strict=False)
+        ip_network(text)
         return True
     except ValueError:
         return False

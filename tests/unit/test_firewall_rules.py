@@ -32,6 +32,22 @@ def files(rules):
     return text
 
 
+@pytest.mark.parametrize("source,family,ufw", [
+    ("192.0.2.9/24", "v4", "192.0.2.0/24"), ("::ffff:192.0.2.7", "v4", "192.0.2.7"),
+    ("fe80::1%eth0", "v6", "fe80::1"), ("2001:db8::/64", "v6", "2001:db8::/64"),
+    ("10.0.0.1 x", None, None), ("bastion.example.com", None, None), ("10.0.0.1\n", "v4", "10.0.0.1"),
+])
+def test_the_plan_accepts_exactly_the_ssh_sources_the_rules_are_made_from(source, family, ufw):
+    import dsc_plan
+    assert dsc_plan._ssh_source(source) is (family is not None)
+    if family is None:
+        with pytest.raises(fw.AnsibleFilterError, match="not an IP address or CIDR"):
+            want(ssh_sources=[source])
+    else:
+        assert fw.address(source) == (family, ufw)
+        assert ufw in [r["from_ip"] for r in want(ssh_sources=[source]) if r["comment"] == "dscluster ssh"]
+
+
 def test_the_documented_order_ssh_then_cluster_then_the_deny_per_family():
     rules = want()
     assert [r["text"] for r in rules] == [
