@@ -38,6 +38,8 @@ OUTSIDER = PREFIX + "outsider"
 OUTSIDER_IP, OUTSIDER_IP6 = "10.89.77.200", "fd89:77::200"
 NONDEFAULT_SSH_PORT = 2222
 # torch's and DeepSpeed's pinned versions (requirements/pins.env), as the nodes should have them.
+# What the tests install beside the wheelhouse (scripts/test.sh fetches it before the tests).
+TEST_PACKAGES = Path(os.environ.get("DSC_TEST_PACKAGES", ROOT / ".cache" / "test-packages"))
 PINS = dict(line.split("=", 1) for line in (ROOT / "requirements" / "pins.env").read_text().splitlines()
             if line.strip() and not line.startswith("#"))
 os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "scripts" / "containers.conf"))

@@ -25,6 +25,18 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 echo "== wheelhouse";     REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
 echo "== node image";     bash scripts/build-image.sh
+# What the tests install beside the wheelhouse, fetched here so that the tests themselves reach
+# only their own containers: DeepSpeed's source archive as PyPI has it and wheel (the index test;
+# a source build without a pyproject.toml needs wheel beside setuptools), and another version of
+# packaging than the wheelhouse's (the version-skew preflight test).
+if [ ! -d .cache/test-packages ]; then
+  echo "== test packages (.cache/test-packages)"
+  . requirements/pins.env
+  fetch() { .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d .cache/test-packages.part "$@"; }
+  fetch --no-binary :all: "deepspeed==$DEEPSPEED_VERSION"
+  fetch --only-binary :all: wheel packaging==26.3
+  mv .cache/test-packages.part .cache/test-packages
+fi
 if [ ! -x .cache/train-venv/bin/deepspeed ]; then
   echo "== train venv (offline, from the wheelhouse)"
   python3 -m venv .cache/train-venv

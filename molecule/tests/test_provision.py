@@ -8,7 +8,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 
-from cluster import OUTSIDER, OUTSIDER_IP, PINS, ROOT, lock_pins
+from cluster import OUTSIDER, OUTSIDER_IP, PINS, ROOT, TEST_PACKAGES, lock_pins
 
 
 def test_version_table_has_a_row_per_node(provisioned, cluster):
@@ -70,21 +70,18 @@ def test_conda_manager_checks_a_pushed_installer_before_running_it(provisioned, 
 def test_index_installs_take_exactly_the_hashed_node_lock(provisioned, cluster, tmp_path):
     """Nodes without a wheelhouse install from a package index: here a PEP 503 index served over
     HTTP from the outsider container (the wheelhouse's torch and DeepSpeed dependencies, DeepSpeed's
-    source archive as PyPI has it, setuptools and wheel). scripts/nodelock.sh locks it on the control node;
+    source archive as PyPI has it, setuptools and wheel: scripts/test.sh fetches the last two
+    before the tests). scripts/nodelock.sh locks it on the control node;
     a file changed on the index is refused on every node before anything is installed; then the
     real install into a fresh install root: the wheels, then DeepSpeed built from its sdist
     without build isolation. JIT op warming is left out (the main provision covers it)."""
     wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
-    sdist = tmp_path / "sdist"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(sdist), f"deepspeed=={PINS['DEEPSPEED_VERSION']}"], check=True, capture_output=True)
-    # what a source build without a pyproject.toml needs beside setuptools (the wheelhouse has none)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                    "-d", str(sdist), "wheel"], check=True, capture_output=True)
+    sdist = [f for f in TEST_PACKAGES.glob("*") if f.name.startswith(("deepspeed-", "wheel-"))]
+    assert len(sdist) == 2, f"{TEST_PACKAGES} lacks DeepSpeed's source archive or wheel: scripts/test.sh fetches them"
     # The index: one folder per project (canonical name), listed by http.server; DeepSpeed as
     # PyPI has it, a source archive only (the wheelhouse's wheel of it is built there).
     index = tmp_path / "index"
-    for f in [w for w in wheelhouse.glob("*.whl") if not w.name.startswith("deepspeed-")] + list(sdist.glob("*")):
+    for f in [w for w in wheelhouse.glob("*.whl") if not w.name.startswith("deepspeed-")] + sdist:
         name = parse_wheel_filename(f.name)[0] if f.suffix == ".whl" else parse_sdist_filename(f.name)[0]
         (index / "simple" / canonicalize_name(name)).mkdir(parents=True, exist_ok=True)
         shutil.copy(f, index / "simple" / canonicalize_name(name) / f.name)

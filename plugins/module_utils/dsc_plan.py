@@ -33,10 +33,6 @@ from pathlib import Path
 
 CLUSTER_GROUP = "cluster"
 MASTER_GROUP = "master"
-ENV_MANAGERS = ("conda", "venv", "existing")
-LAUNCH_MODES = ("pdsh", "no_ssh")
-# The host firewall roles/cluster_network manages: auto is ufw on Debian/Ubuntu, firewalld on RHEL.
-FIREWALL_BACKENDS = ("auto", "ufw", "firewalld")
 # CUDA variants and the package index each maps to (pytorch.org wheel indexes); "pypi" is the
 # node's own pip configuration (PyPI or a site mirror).
 TORCH_INDEXES = {
@@ -247,12 +243,10 @@ def _abs_path(problems, var, value, example, where):
 
 
 def _check_settings(s, first, problems, check_dir):
-    """What a type can't say about the cluster-wide settings. `first` names the host whose value
-    is shown (they agree, or a 'differs' message came already)."""
+    """What the argument spec can't say about the cluster-wide settings (its types and choices are
+    checked before the plan, by the plan role's argument validation). `first` names the host whose
+    value is shown (they agree, or a 'differs' message came already)."""
     where = f"on host {first}"
-    if s["dsc_env_manager"] not in ENV_MANAGERS:
-        problems.add(f"dsc_env_manager {where} is {s['dsc_env_manager']!r}. Fix: one of "
-                     f"{', '.join(ENV_MANAGERS)}.")
     _abs_path(problems, "dsc_install_root", s["dsc_install_root"], "/opt/dscluster", where)
     if s["dsc_run_root"]:
         _abs_path(problems, "dsc_run_root", s["dsc_run_root"], "/opt/dscluster/runs", where)
@@ -319,13 +313,6 @@ def _check_settings(s, first, problems, check_dir):
     elif not _is_int(last_port) or not int(first_port) <= int(last_port) < 65536:
         problems.add(f"dsc_master_port_last {where} is {shown(last_port)}. Fix: a port from "
                      f"dsc_master_port ({first_port}) to 65535; the range is tried in order.")
-    if s["dsc_launch_mode"] not in LAUNCH_MODES:
-        problems.add(f"dsc_launch_mode {where} is {s['dsc_launch_mode']!r}. Fix: one of "
-                     f"{', '.join(LAUNCH_MODES)}.")
-    if s["cluster_network_firewall_backend"] not in FIREWALL_BACKENDS:
-        problems.add(f"cluster_network_firewall_backend {where} is "
-                     f"{shown(s['cluster_network_firewall_backend'])}. Fix: one of {', '.join(FIREWALL_BACKENDS)} "
-                     f"(auto: ufw on Debian and Ubuntu, firewalld on the RHEL family).")
     sources = s["cluster_network_ssh_sources"]
     if not isinstance(sources, list) or not all(_ssh_source(x) for x in sources):
         problems.add(f"cluster_network_ssh_sources {where} is {shown(sources)}. Fix: a list of "

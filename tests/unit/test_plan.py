@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 import dsc_plan
 
@@ -42,6 +43,24 @@ def plan(n=2, options=None, full_run=False, runs=(), **settings):
 
 def test_spec_declares_exactly_what_the_plan_reads():
     assert set(DEFAULTS) == set(dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + dsc_plan.RUN_OPTIONS)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("dsc_env_manager", "pip"), ("dsc_launch_mode", "mpi"), ("dsc_torch_variant", "cu999"),
+    ("cluster_network_firewall_backend", "iptables;id"), ("dsc_nccl_debug", "ALL"),
+])
+def test_a_setting_outside_its_choices_is_refused_by_the_argument_spec(name, value):
+    """The plan role's argument validation (Ansible's own validator over the spec, before the
+    plan runs) refuses it, naming the setting, the choices and the value."""
+    from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+    spec = yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"]
+    errors = ArgumentSpecValidator(spec).validate({name: value}).error_messages
+    assert errors == [f"value of {name} must be one of: {', '.join(spec[name]['choices'])}, got: {value}"]
+
+
+def test_the_torch_variants_are_the_spec_choices():
+    spec = yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"]
+    assert spec["dsc_torch_variant"]["choices"] == list(dsc_plan.TORCH_INDEXES)
 
 
 def test_versions_default_to_the_pins():
@@ -85,7 +104,6 @@ def test_precision_follows_the_oldest_gpu(caps, expect):
 
 
 BAD = [
-    ({"dsc_env_manager": "pip"}, "dsc_env_manager on host node1 is 'pip'. Fix: one of conda, venv, existing"),
     ({"dsc_slots": 0}, "dsc_slots on host node1 is 0"),
     ({"dsc_slots": "many"}, "dsc_slots on host node1 is 'many'"),
     ({"dsc_slots": "auto"}, "dsc_slots on host node1 is 'auto' but nvidia-smi found no GPU there"),
@@ -110,13 +128,10 @@ BAD = [
     ({"dsc_deepspeed_version": "latest"}, "dsc_deepspeed_version on host node1 is 'latest', not an exact version"),
     ({"dsc_python_version": "python3"}, "dsc_python_version on host node1 is 'python3'"),
     ({"dsc_cluster_name": "lab/a"}, "dsc_cluster_name on host node1 is 'lab/a'"),
-    ({"dsc_launch_mode": "mpi"}, "dsc_launch_mode on host node1 is 'mpi'"),
     ({"cluster_network_ssh_sources": ["bastion.example.com"]},
      "cluster_network_ssh_sources on host node1 is ['bastion.example.com']. Fix: a list of addresses"),
     ({"cluster_network_ssh_sources": ["10.0.0.1\nProxyCommand x"]}, "cluster_network_ssh_sources on host node1"),
     ({"cluster_network_ssh_sources": "any"}, "cluster_network_ssh_sources on host node1 is 'any'. Fix: a list"),
-    ({"cluster_network_firewall_backend": "iptables;id"},
-     "cluster_network_firewall_backend on host node1 is 'iptables;id'. Fix: one of auto, ufw, firewalld"),
     ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(id)"}}, "the value of NCCL_DEBUG is 'WARN$(id)'"),
     ({"dsc_rank_env": {"HF_TOKEN": "abc"}}, "HF_TOKEN looks like a secret"),
     ({"dsc_rank_env": {"BAD NAME": "x"}}, "'BAD NAME' is not a plain variable name"),
