@@ -422,7 +422,30 @@ def probe(argv):
             "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
             "runs": runs(run_root) if run_root else [],
             "run_root_links": links(run_root) if run_root else [],
-            "helper_sha256": sha256(INSTALLED_PATH)}
+            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls()}
+
+
+def firewalls(root="/"):
+    """Which host firewall runs, read from files (no firewall-cmd or ufw call: every playbook
+    probes): ufw enabled in /etc/ufw/ufw.conf, a firewalld process; and the OS's ids from
+    /etc/os-release (ID, then ID_LIKE), from which the plan takes cluster_network_firewall_backend
+    auto. `root`: where those paths are (/ on a node)."""
+    root = Path(root)
+
+    def read(path):
+        try:
+            return (root / path).read_text(errors="replace")
+        except OSError:
+            return ""
+    release = dict(line.split("=", 1) for line in read("etc/os-release").splitlines() if "=" in line)
+    ids = " ".join(release.get(k, "").strip().strip('"\'') for k in ("ID", "ID_LIKE")).split()
+    ufw = re.search(r"^\s*ENABLED\s*=\s*yes\s*$", read("etc/ufw/ufw.conf"), re.M | re.I) is not None
+    try:
+        pids = [p for p in os.listdir(root / "proc") if p.isdigit()]
+    except OSError:
+        pids = []
+    firewalld = any(read(f"proc/{pid}/comm").strip() == "firewalld" for pid in pids)
+    return {"os": ids, "ufw": ufw, "firewalld": firewalld}
 
 
 def links(run_root):

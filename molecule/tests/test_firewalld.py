@@ -106,17 +106,19 @@ def test_firewalld_removes_what_the_toolkit_added_and_no_longer_wants(fwd, clust
 
 
 def test_ufw_is_refused_on_nodes_that_run_firewalld(fwd, cluster):
-    """Asking for ufw where firewalld runs is refused, naming the host and the setting, before the
-    firewall is touched: ufw is not installed and firewalld's zones are as they were."""
+    """Asking for ufw where firewalld runs is refused by provision.yml's plan, naming the host and
+    the setting, before any node changes: ufw is not installed and firewalld's zones are as they
+    were. The probe saw firewalld from /proc (no firewall-cmd call)."""
     inv = fwd["where"] / "inventory-ufw"
     tc.write_inventory(NODES, inv=inv, known_hosts=fwd["where"] / "known_hosts",
                        extra="cluster_network_firewall_backend: ufw\n")
     before = {h["name"]: cluster.exec(h["name"], "firewall-cmd --list-all-zones").stdout for h in NODES}
     r = cluster.playbook("provision.yml", "--tags", "network", inventory=inv)
     assert r.returncode != 0
+    assert "Make every node identical and ready" not in r.output
+    assert all(v.get("changed", 0) == 0 for v in r.recap.values()), r.recap
     for h in NODES:
-        assert (f"{h['name']}: firewalld is running there, and cluster_network_firewall_backend makes "
-                f"the toolkit manage ufw") in " ".join(r.output.split()), r.output[-3000:]
-        assert r.recap[h["name"]]["changed"] == 0, r.recap
+        assert (f"cluster_network_firewall_backend on host {h['name']} is 'ufw', and firewalld is running "
+                f"there. Fix: cluster_network_firewall_backend: firewalld") in " ".join(r.output.split()), r.output[-3000:]
         assert cluster.exec(h["name"], "command -v ufw", check=False).returncode != 0
         assert cluster.exec(h["name"], "firewall-cmd --list-all-zones").stdout == before[h["name"]]

@@ -97,7 +97,8 @@ class ActionModule(ActionBase):
         plan, errors = dsc_plan.make_plan(
             inventory, {k: list(v) for k, v in groups.items()}, probes, defaults,
             {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
-            full_run=run_kind in ("probe", True), refuse_active=run_kind is True)
+            full_run=run_kind in ("probe", True), refuse_active=run_kind is True,
+            firewall=dsc_plan.as_bool(self._templar.template(args.get("firewall", False))))
         if errors:
             return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
         result.update(plan)

@@ -56,7 +56,7 @@ CLUSTER_SETTINGS = (
     "dsc_conda_accept_tos", "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
     "dsc_requirements", "dsc_requirements_file", "dsc_data_dir", "dsc_data_shared",
-    "cluster_network_firewall_backend", "cluster_network_ssh_sources",
+    "cluster_network_firewall", "cluster_network_firewall_backend", "cluster_network_ssh_sources",
 )
 # Checked like a cluster setting, but its values never enter the plan or a message (names only).
 SECRET_SETTINGS = ("dsc_secrets",)
@@ -594,6 +594,41 @@ def _nodes(names, hostvars, defaults, probes, problems):
             "run_root_links": list(probe.get("run_root_links") or []),
         })
     return nodes
+
+
+# cluster_network_firewall_backend auto: the firewall of the OS family (/etc/os-release's ID and
+# ID_LIKE, as the probe reads them).
+FIREWALL_AUTO = {"debian": "ufw", "ubuntu": "ufw", "rhel": "firewalld", "fedora": "firewalld",
+                 "centos": "firewalld"}
+
+
+def _firewall_backends(nodes, probes, s, check, problems):
+    """Each node's firewall (node["firewall_backend"]: cluster_network_firewall_backend, auto taken
+    from its OS). With `check` and the firewall managed: refused where auto knows no firewall for
+    the OS, or where the other firewall runs (two fight over the same tables, and the one not
+    managed here keeps the site's rules in force unseen)."""
+    wanted = str(s["cluster_network_firewall_backend"])
+    for node in nodes:
+        seen = (probes.get(node["name"]) or {}).get("firewalls") or {}
+        ids = seen.get("os") or []
+        backend = wanted if wanted != "auto" else next((FIREWALL_AUTO[i] for i in ids if i in FIREWALL_AUTO), "")
+        node["firewall_backend"] = backend
+        if not check or not as_bool(s["cluster_network_firewall"]) or not node["reachable"]:
+            continue
+        where = f"cluster_network_firewall_backend on host {node['name']} is {wanted!r}"
+        os_ids = " ".join(ids) or "no /etc/os-release"
+        if not backend:
+            problems.add(f"{where}, and auto knows no firewall for its OS ({os_ids}). Fix: ufw or "
+                         f"firewalld, or cluster_network_firewall: false to leave the firewall to "
+                         f"the site.")
+            continue
+        other = "firewalld" if backend == "ufw" else "ufw"
+        if seen.get(other):
+            chosen = f" ({backend} on {os_ids})" if wanted == "auto" else ""
+            problems.add(f"{where}{chosen}, and {other} is running there. Fix: "
+                         f"cluster_network_firewall_backend: {other} (the site's firewall), or stop "
+                         f"{other}, or cluster_network_firewall: false to leave the firewall to the "
+                         f"site.")
 
 
 def _gpu_selection(name, wanted, gpus, wanted_slots, slots, reachable, problems):
@@ -1285,10 +1320,11 @@ def code_archive(code_dir, limit=64 * 2**20):
 
 
 def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
-              check_dir=os.path.isdir, full_run=False, refuse_active=True):
+              check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False):
     """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
     are the run options; `full_run` (launch, resume) derives the whole run, else only which run
-    status, stop and logs act on."""
+    status, stop and logs act on; `firewall` (provision) refuses a node whose firewall the
+    toolkit would not manage alone."""
     problems = Problems()
     names = node_order(groups)
     if not names:
@@ -1302,6 +1338,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     data = _data(s, f"on host {names[0]}", problems, check_dir)
     secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems)
+    _firewall_backends(nodes, probes, s, firewall, problems)
     for node in nodes:
         if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}):
             seen = ", ".join(a for addrs in ((probes.get(node["name"]) or {}).get("interfaces")
@@ -1389,7 +1426,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         "master_port_first": int(s["dsc_master_port"]),
         "master_port_last": int(s["dsc_master_port_last"]),
         "launch_mode": s["dsc_launch_mode"],
-        "firewall_backend": s["cluster_network_firewall_backend"],
+        "firewall": as_bool(s["cluster_network_firewall"]),
         "ssh_sources": s["cluster_network_ssh_sources"],
         "node_env": node_env, "rank_env": rank_env,
         "helper": helper_module.INSTALLED_PATH, "helper_src": helper_src,

@@ -512,3 +512,24 @@ def test_run_files_are_never_read_through_a_planted_link(tmp_path):
     assert dsc_node.pid_alive(tmp_path / "launcher.pid") is None
     (tmp_path / "real.json").write_text('{"a": 1}')
     assert dsc_node.read_json(tmp_path / "real.json") == {"a": 1}
+
+
+@pytest.mark.parametrize("release,ufw_conf,comms,want", [
+    ('ID=debian\n', "ENABLED=yes\n", ["sshd", "bash"], {"os": ["debian"], "ufw": True, "firewalld": False}),
+    ('ID="rocky"\nID_LIKE="rhel centos fedora"\n', "", ["systemd", "firewalld"],
+     {"os": ["rocky", "rhel", "centos", "fedora"], "ufw": False, "firewalld": True}),
+    ('ID=ubuntu\nID_LIKE=debian\n', "# ENABLED=yes\nENABLED=no\n", ["firewalld-helper"],
+     {"os": ["ubuntu", "debian"], "ufw": False, "firewalld": False}),
+    (None, None, [], {"os": [], "ufw": False, "firewalld": False}),
+])
+def test_the_probe_reads_the_running_firewall_from_files(tmp_path, release, ufw_conf, comms, want):
+    """The probe's firewall view (the plan refuses the other firewall from it): /etc/os-release,
+    ufw's ENABLED in /etc/ufw/ufw.conf, and a process named firewalld in /proc."""
+    if release is not None:
+        (tmp_path / "etc" / "ufw").mkdir(parents=True)
+        (tmp_path / "etc" / "os-release").write_text(release)
+        (tmp_path / "etc" / "ufw" / "ufw.conf").write_text(ufw_conf)
+    for pid, comm in enumerate(comms, start=1):
+        (tmp_path / "proc" / str(pid)).mkdir(parents=True)
+        (tmp_path / "proc" / str(pid) / "comm").write_text(comm + "\n")
+    assert dsc_node.firewalls(tmp_path) == want

@@ -283,13 +283,48 @@ def test_entry_script_outside_the_code_dir_is_refused(tmp_path):
     assert any("which is not in dsc_code_dir" in e for e in errors)
 
 
+def firewalled(os_ids=("debian",), ufw=False, firewalld=False, firewall=True, **settings):
+    """A plan made for provision.yml (firewall=True) on nodes whose probe saw this firewall state."""
+    hostvars, groups, probes = cluster(**settings)
+    for p in probes.values():
+        p["firewalls"] = {"os": list(os_ids), "ufw": ufw, "firewalld": firewalld}
+    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, firewall=firewall)
+
+
 def test_firewall_settings_reach_the_plan_checked():
-    p, errors = plan(cluster_network_ssh_sources=["any", "192.0.2.0/24", "2001:db8::1"],
-                     cluster_network_firewall_backend="firewalld")
+    p, errors = firewalled(cluster_network_ssh_sources=["any", "192.0.2.0/24", "2001:db8::1"],
+                           cluster_network_firewall_backend="firewalld", firewalld=True)
     assert not errors
-    assert p["ssh_sources"] == ["any", "192.0.2.0/24", "2001:db8::1"] and p["firewall_backend"] == "firewalld"
+    assert p["ssh_sources"] == ["any", "192.0.2.0/24", "2001:db8::1"] and p["firewall"] is True
+    assert {n["firewall_backend"] for n in p["nodes"]} == {"firewalld"}
     p, errors = plan()
-    assert p["ssh_sources"] == [] and p["firewall_backend"] == "auto"
+    assert p["ssh_sources"] == [] and p["firewall"] is True
+
+
+@pytest.mark.parametrize("os_ids,backend", [(["debian"], "ufw"), (["ubuntu", "debian"], "ufw"),
+                                            (["rocky", "rhel", "centos", "fedora"], "firewalld"),
+                                            (["fedora"], "firewalld")])
+def test_firewall_auto_follows_the_os(os_ids, backend):
+    p, errors = firewalled(os_ids, ufw=backend == "ufw", firewalld=backend == "firewalld")
+    assert not errors and {n["firewall_backend"] for n in p["nodes"]} == {backend}
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"firewalld": True}, "cluster_network_firewall_backend on host node1 is 'auto' (ufw on debian), and "
+                          "firewalld is running there. Fix: cluster_network_firewall_backend: firewalld"),
+    ({"ufw": True, "cluster_network_firewall_backend": "firewalld"},
+     "cluster_network_firewall_backend on host node2 is 'firewalld', and ufw is running there. Fix: "
+     "cluster_network_firewall_backend: ufw (the site's firewall), or stop ufw, or "
+     "cluster_network_firewall: false"),
+    ({"os_ids": ["arch"]}, "cluster_network_firewall_backend on host node1 is 'auto', and auto knows no "
+                           "firewall for its OS (arch). Fix: ufw or firewalld"),
+])
+def test_provision_refuses_a_firewall_it_would_not_manage_alone(kw, message):
+    p, errors = firewalled(**kw)
+    assert p is None and any(e.startswith(message) for e in errors), errors
+    # the other playbooks, or the firewall left to the site: no refusal
+    assert firewalled(firewall=False, **kw)[1] == []
+    assert firewalled(cluster_network_firewall=False, **kw)[1] == []
 
 
 def test_no_ssh_mode_gives_one_launcher_per_node():
