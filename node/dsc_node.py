@@ -256,13 +256,34 @@ def entry(args, local_rank=()):
     sys.meta_path.insert(0, AfterImport(patches))
     import runpy
     sys.argv = [target] + list(local_rank) + rest
-    if kind == "--module":
-        sys.path[0] = os.getcwd()
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
-    return 0
+    try:
+        if kind == "--module":
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    leave_finished()
+
+
+def leave_finished():
+    """The script has finished: what Python's own exit does before finalization (wait for the
+    non-daemon threads, run the atexit handlers, flush), then exit 0 without the finalization.
+    gloo's worker threads can abort it after a finished run ("terminate called without an active
+    exception", pytorch/pytorch#179291): the launcher would then fail a run that is done."""
+    import atexit
+    import threading
+    threading._shutdown()  # what Py_Finalize calls first; joins the non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 def become(user):

@@ -356,6 +356,33 @@ def test_the_entry_shim_runs_a_script_or_module_as_python_would_with_the_secrets
     assert r.returncode != 0 and "the run's secrets" in r.stderr and "Fix: launch the run again" in r.stderr
 
 
+@pytest.mark.parametrize("end,code", [("", 0), ("sys.exit(0)", 0), ("sys.exit(3)", 3),
+                                      ("raise ValueError('boom')", 1)])
+def test_a_finished_script_leaves_after_its_threads_and_atexit_handlers(tmp_path, end, code):
+    """After the script returns (or exits 0) the shim joins its non-daemon threads, runs its
+    atexit handlers and flushes, then leaves without interpreter finalization; a failure keeps
+    its own exit code and traceback."""
+    (tmp_path / "train.py").write_text(
+        "import atexit, sys, threading, time\n"
+        "def later():\n"
+        "    time.sleep(0.5)\n"
+        "    open('thread.txt', 'w').write('done')\n"
+        "threading.Thread(target=later).start()\n"
+        "atexit.register(lambda: open('atexit.txt', 'w').write(open('thread.txt').read()))\n"
+        "class Finalized:\n"  # what interpreter finalization would run: module teardown
+        "    def __del__(self):\n"
+        "        sys.__stderr__.write('finalized')\n"
+        "import json; json.kept = Finalized()\n"
+        "print('unflushed', end='')\n"
+        f"{end}\n")
+    r = subprocess.run([sys.executable, str(HELPER), "entry", "--script", "train.py"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, r.stderr
+    assert r.stdout == "unflushed" and (tmp_path / "atexit.txt").read_text() == "done"
+    assert ("ValueError: boom" in r.stderr) is (code == 1)
+    assert ("finalized" in r.stderr) is (code != 0)
+
+
 def test_status_reads_any_scripts_progress_when_there_are_no_metrics(tmp_path):
     run = tmp_path / "r1"
     run.mkdir()
