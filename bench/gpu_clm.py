@@ -116,7 +116,7 @@ def pool(paths):
         rows["ratio"] = round(statistics.median(rows["launch"]) / statistics.median(rows["hand"]), 3)
         print(f"{preset}: {len(rows['pairs'])} pairs, launch.yml median {statistics.median(rows['launch']):.1f} "
               f"samples/s, by hand {statistics.median(rows['hand']):.1f}, ratio {rows['ratio']}; "
-              f"pair ratios {rows['pairs']}")
+              f"pair ratios {rows['pairs']}", file=sys.stderr)  # stdout: the JSON alone
     return pooled
 
 
