@@ -549,12 +549,12 @@ def free_gib(path):
 
 def firewall(first, last):
     """The node's firewall: firewalld when it is running (a node may have ufw installed beside
-    it, inactive), else ufw when installed, with whether the toolkit's master-port rule is there."""
+    it, inactive; the probe's firewalls() reads that), else ufw when installed, with whether the
+    toolkit's master-port rule is there."""
     if shutil.which("firewall-cmd"):
-        rc, out, _ = run(["firewall-cmd", "--state"])
-        if out.strip() == "running" or not shutil.which("ufw"):
-            return {"tool": "firewalld", "state": "active" if out.strip() == "running" else "inactive",
-                    "master_rule": None}
+        running = firewalls()["firewalld"]
+        if running or not shutil.which("ufw"):
+            return {"tool": "firewalld", "state": "active" if running else "inactive", "master_rule": None}
     if shutil.which("ufw"):
         rc, out, err = run(["ufw", "status"])
         state = "active" if "Status: active" in out else "inactive" if rc == 0 else "unknown"

@@ -16,6 +16,7 @@ import dsc_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "roles" / "plan" / "meta" / "argument_specs.yml"
+OPTIONS = yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"]
 PINS = dsc_plan.read_pins(ROOT / "requirements" / "pins.env")
 DEFAULTS = dsc_plan.load_defaults(SPEC, ROOT / "requirements" / "pins.env")
 PATHS = {"repo": str(ROOT), "templates": str(ROOT / "templates")}
@@ -53,14 +54,12 @@ def test_a_setting_outside_its_choices_is_refused_by_the_argument_spec(name, val
     """The plan role's argument validation (Ansible's own validator over the spec, before the
     plan runs) refuses it, naming the setting, the choices and the value."""
     from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-    spec = yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"]
-    errors = ArgumentSpecValidator(spec).validate({name: value}).error_messages
-    assert errors == [f"value of {name} must be one of: {', '.join(spec[name]['choices'])}, got: {value}"]
+    errors = ArgumentSpecValidator(OPTIONS).validate({name: value}).error_messages
+    assert errors == [f"value of {name} must be one of: {', '.join(OPTIONS[name]['choices'])}, got: {value}"]
 
 
 def test_the_torch_variants_are_the_spec_choices():
-    spec = yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"]
-    assert spec["dsc_torch_variant"]["choices"] == list(dsc_plan.TORCH_INDEXES)
+    assert OPTIONS["dsc_torch_variant"]["choices"] == list(dsc_plan.TORCH_INDEXES)
 
 
 def test_versions_default_to_the_pins():
