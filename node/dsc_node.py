@@ -1292,8 +1292,10 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall)
 
 
-LATEST = re.compile(r"^\{latest:(.+)\}$")
-SAFE_ARG = re.compile(r"^[\w@%+=:,./-]*$")
+# Matched against the whole string (fullmatch; `$` would take a trailing newline, which DeepSpeed's
+# pdsh runner passes unquoted: a second command on every node).
+LATEST = re.compile(r"\{latest:(.+)\}")
+SAFE_ARG = re.compile(r"[\w@%+=:,./-]*")
 
 
 def newest(pattern, cwd="."):
@@ -1303,7 +1305,7 @@ def newest(pattern, cwd="."):
         nums = re.findall(r"\d+", os.path.basename(p.rstrip("/")))
         return (int(nums[-1]) if nums else -1, os.path.getmtime(os.path.join(cwd, p)))
     import glob
-    found = [p for p in glob.glob(pattern, root_dir=cwd) if SAFE_ARG.match(p)]
+    found = [p for p in glob.glob(pattern, root_dir=cwd) if SAFE_ARG.fullmatch(p)]
     return max(found, key=key) if found else None
 
 
@@ -1314,7 +1316,7 @@ def resolve_latest(argv, cwd="."):
     over."""
     out = []
     for arg in argv:
-        m = LATEST.match(arg)
+        m = LATEST.fullmatch(arg)
         if not m:
             out.append(arg)
             continue

@@ -71,11 +71,11 @@ def wanted(addrs, ssh_port, ssh_sources, port_first, port_last, control_addr="",
         raise AnsibleFilterError(f"cluster_network_ssh_sources is {ssh_sources!r}. Fix: a list, "
                                  f"e.g. [192.0.2.10] or [any].")
     sources = list(ssh_sources or [])
-    opened = any(str(s).strip().lower() == "any" for s in sources)
+    opened = any(str(s).lower() == "any" for s in sources)
     ssh, node = [], []
     if opened:
         ssh += [("v4", ANY["v4"]), ("v6", ANY["v6"])]
-    named = [s for s in sources if str(s).strip().lower() != "any"]
+    named = [s for s in sources if str(s).lower() != "any"]
     ssh += [address(s, "cluster_network_ssh_sources entry") for s in named]
     if control_addr and not opened:
         ssh.append(address(control_addr, "the control node's address (SSH_CLIENT)"))

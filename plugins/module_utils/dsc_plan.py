@@ -97,7 +97,7 @@ LAUNCHER_OPTIONS = {"--bind_cores_to_rank": False, "--bind_core_list": True, "--
                     "--enable_each_rank_log": True}
 # A resume argument the node helper replaces with the newest path matching the glob, relative to
 # the run's working directory (dropped, with the option before it, while there is none).
-LATEST = re.compile(r"^\{latest:[\w@%+=:,./*?-]+\}$")
+LATEST = re.compile(r"\{latest:[\w@%+=:,./*?-]+\}")
 # DeepSpeed's monitor sections: a config with one keeps it (csv_monitor is added otherwise).
 MONITORS = ("csv_monitor", "tensorboard", "wandb", "comet")
 # Packages installed with torch, from the same CUDA-variant index (dsc_requirements).
@@ -105,16 +105,24 @@ TORCH_FAMILY = ("torchvision", "torchaudio")
 # A credential inside a value (scheme://user:password@host).
 URL_CREDENTIAL = re.compile(r"://[^/@\s]+:[^/@\s]*@")
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
+# Every check below matches the whole string (fullmatch): `$` would accept a trailing newline,
+# which DeepSpeed's runner and a free-form command split into another command or argument.
 # Values DeepSpeed's runner puts on the remote command line unquoted; anything else it
 # double-quotes, where $() and backticks still expand: refused.
-DS_ENV_SAFE = re.compile(r"^[\w@%+=:,./-]*$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DS_ENV_SAFE = re.compile(r"[\w@%+=:,./-]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_NAME = re.compile(r"(?i)(pass|secret|token|key|credential)")
-EXACT_VERSION = re.compile(r"^\d+(\.\d+)+([a-z0-9.+-]*)$")
-USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
-HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
+EXACT_VERSION = re.compile(r"[0-9]+(\.[0-9]+)+([a-z0-9.+-]*)")
+USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SAFE_PATH = re.compile(r"/[A-Za-z0-9._/+@-]*")
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})")
+# Control characters (C0, DEL, C1, the Unicode line separators): refused in every setting and run
+# option, whatever its own check (see control_characters).
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# Values that only ever reach a JSON file (train.json, ds_config.json), never a path, command
+# line or template: control characters are data there. Secret values are never shown either.
+JSON_ONLY = ("dsc_train_config", "dsc_ds_config_overrides")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # fp16 with dynamic loss scaling, for GPUs without bf16 (compute capability below 8.0).
 FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
@@ -169,16 +177,21 @@ def shown(value):
 
 def ip_network(text):
     """An address or CIDR of either family, as the firewall rules use it: host bits cleared, a
-    zone (%eth0) dropped, an IPv4-mapped IPv6 address as IPv4. ValueError when it is neither."""
-    net = ipaddress.ip_network(str(text).strip().split("%")[0], strict=False)
+    zone (%eth0) dropped, an IPv4-mapped IPv6 address as IPv4. ValueError when it is neither, or
+    has anything around it (a space, a trailing newline)."""
+    text = str(text)
+    if text != text.strip() or CONTROL.search(text):
+        raise ValueError(f"{text!r} has a space or control character")
+    net = ipaddress.ip_network(text.split("%")[0], strict=False)
     if net.version == 6 and net.prefixlen == 128 and net.network_address.ipv4_mapped:
         net = ipaddress.ip_network(net.network_address.ipv4_mapped)
     return net
 
 
 def _ssh_source(text):
-    """An entry of cluster_network_ssh_sources: 'any', or an address or network of either family."""
-    if not isinstance(text, str) or text.strip().lower() == "any":
+    """An entry of cluster_network_ssh_sources: 'any', or an address or network of either family
+    (nothing around it: no space or control character)."""
+    if not isinstance(text, str) or text.lower() == "any":
         return isinstance(text, str)
     try:
         ip_network(text)
@@ -188,8 +201,10 @@ def _ssh_source(text):
 
 
 def _is_int(value):
+    """A whole number, or its decimal digits alone (-e gives numbers as strings): nothing around
+    them, no other digits than 0-9."""
     return (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, str) and value.strip().lstrip("-").isdigit())
+        isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value) is not None)
 
 
 def as_bool(value):
@@ -237,9 +252,46 @@ def _abs_path(problems, var, value, example, where):
     if not posixpath.isabs(value):
         problems.add(f"{var} {where} is {value!r}, not an absolute path. Fix: an absolute path "
                      f"such as {example}, the same on every node.")
-    elif not SAFE_PATH.match(value) or "/../" in value + "/" or "/./" in value + "/":
+    elif not SAFE_PATH.fullmatch(value) or "/../" in value + "/" or "/./" in value + "/":
         problems.add(f"{var} {where} is {value!r}. Fix: an absolute path of letters, digits and "
                      f"'._-+@/' only, without '..' (it reaches commands run as root).")
+
+
+def _control_paths(value, where):
+    """The paths of the strings in value (keys included) that hold a control character."""
+    if isinstance(value, str):
+        return [(where, CONTROL.search(value).group())] if CONTROL.search(value) else []
+    if isinstance(value, dict):
+        return [(f"{where} (a key)", CONTROL.search(k).group()) for k in value
+                if isinstance(k, str) and CONTROL.search(k)] + \
+               [p for k, v in value.items() for p in _control_paths(v, f"{where}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _control_paths(v, f"{where}[{i}]")]
+    return []
+
+
+def control_characters(hostvars, names, options, problems):
+    """Every setting and run option, whole (list items and mapping keys too): a control character
+    (a trailing newline, a carriage return, a NUL) is refused, whatever the setting's own check.
+    DeepSpeed's runner quotes only arguments with a space, so a newline there starts a second
+    command on every node; a free-form command splits on it. Cluster-wide settings are read on
+    the first node (another value elsewhere is reported as differing); dsc_secrets by name."""
+    fix = ("Fix: the value without it (YAML's | and > blocks and a copied line end add a "
+           "trailing newline): control characters split commands and arguments on the nodes.")
+    for i, node in enumerate(names):
+        hv = hostvars.get(node) or {}
+        wanted = NODE_SETTINGS + (CLUSTER_SETTINGS if i == 0 else ())
+        found = [p for var in wanted if var in hv for p in _control_paths(hv[var], var)]
+        secrets = hv.get("dsc_secrets") if i == 0 else None
+        if isinstance(secrets, dict):
+            found += [(f"dsc_secrets (a name)", CONTROL.search(k).group()) for k in secrets
+                      if isinstance(k, str) and CONTROL.search(k)]
+        for path, char in found:
+            problems.add(f"{path} on host {node} holds a control character ({char!r}). {fix}")
+    for var in RUN_OPTIONS:
+        if var in (options or {}) and var not in JSON_ONLY:
+            for path, char in _control_paths(options[var], var):
+                problems.add(f"{path} holds a control character ({char!r}). {fix}")
 
 
 def _check_settings(s, first, problems, check_dir):
@@ -251,14 +303,14 @@ def _check_settings(s, first, problems, check_dir):
     if s["dsc_run_root"]:
         _abs_path(problems, "dsc_run_root", s["dsc_run_root"], "/opt/dscluster/runs", where)
     for var, example in (("dsc_torch_version", "2.13.0"), ("dsc_deepspeed_version", "0.19.8")):
-        if not EXACT_VERSION.match(str(s[var])):
+        if not EXACT_VERSION.fullmatch(str(s[var])):
             problems.add(f"{var} {where} is {str(s[var])!r}, not an exact version. Fix: pin one "
                          f"release, e.g. {example!r}: the same on every node, no range.")
     if not re.fullmatch(r"3\.\d+(\.\d+)?", str(s["dsc_python_version"])):
         problems.add(f"dsc_python_version {where} is {str(s['dsc_python_version'])!r}. Fix: a "
                      f"Python 3 version such as '3.11' (quoted in YAML).")
     user = str(s["dsc_train_user"])
-    if user == "root" or not USER_NAME.match(user):
+    if user == "root" or not USER_NAME.fullmatch(user):
         problems.add(f"dsc_train_user {where} is {user!r}. Fix: a non-root user name (lower "
                      f"case, e.g. dstrain): ranks must not run as root.")
     cname = str(s["dsc_cluster_name"])
@@ -346,8 +398,8 @@ def read_requirements(s, where, problems):
     if path:
         try:
             text = Path(path).read_text()
-        except OSError as e:
-            problems.add(f"dsc_requirements_file {where} is {path!r}: {e.strerror}. Fix: the path "
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+            problems.add(f"dsc_requirements_file {where} is {path!r}: {getattr(e, 'strerror', None) or e}. Fix: the path "
                          f"of a requirements file on the control node.")
             text = ""
         lines += [(line.split(" #")[0].strip(), f"dsc_requirements_file {path}")
@@ -408,7 +460,7 @@ def _requirements(s, where, problems, check_dir):
     return ([t for t, n in reqs if n in TORCH_FAMILY], [t for t, n in reqs if n not in TORCH_FAMILY])
 
 
-LOCK_LINE = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+) --hash=sha256:[0-9a-f]{64}(  # sdist)?$")
+LOCK_LINE = re.compile(r"([A-Za-z0-9_.-]+)==(\S+) --hash=sha256:[0-9a-f]{64}(  # sdist)?")
 INDEX_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~:/@%+-]*)?")
 
 
@@ -452,7 +504,7 @@ def _lock(s, texts, where, problems, check_dir):
         return None
     pins, lock = {}, {"from": source, "wheels": [], "sdists": []}
     for line in open(path).read().splitlines():
-        m = LOCK_LINE.match(line)
+        m = LOCK_LINE.fullmatch(line)
         if m:
             pins[canonicalize_name(m.group(1))] = Version(m.group(2))
             lock["sdists" if m.group(3) else "wheels"].append(line)
@@ -500,7 +552,7 @@ def secret_names(hostvars, names, problems):
                          f"(e.g. HF_TOKEN: !vault ...) in group_vars/cluster.")
             return []
         for key, v in value.items():
-            if not ENV_NAME.match(str(key)):
+            if not ENV_NAME.fullmatch(str(key)):
                 problems.add(f"dsc_secrets on host {node}: {key!r} is not a plain variable name. "
                              f"Fix: letters, digits and '_', not starting with a digit.")
             elif not isinstance(v, (str, int, float)) or "\0" in str(v):
@@ -515,7 +567,7 @@ def secret_names(hostvars, names, problems):
 
 
 def check_env_var(problems, key, value, where):
-    if not ENV_NAME.match(str(key)):
+    if not ENV_NAME.fullmatch(str(key)):
         problems.add(f"{where}: {key!r} is not a plain variable name. Fix: letters, digits and "
                      f"'_', not starting with a digit.")
     elif SECRET_NAME.search(str(key)):
@@ -524,7 +576,7 @@ def check_env_var(problems, key, value, where):
     elif URL_CREDENTIAL.search(str(value)):
         problems.add(f"{where}: the value of {key} holds a password in a URL. Fix: move it to "
                      f"dsc_secrets (an ansible-vault value), or drop the credentials from the URL.")
-    if not DS_ENV_SAFE.match(str(value)):
+    if not DS_ENV_SAFE.fullmatch(str(value)):
         problems.add(f"{where}: the value of {key} is {str(value)!r}. Fix: letters, digits and "
                      f"'@%+=:,./-_' only (DeepSpeed's runner puts it on a shell command line).")
 
@@ -537,14 +589,14 @@ def _nodes(names, hostvars, defaults, probes, problems):
         reachable = probe is not None  # else only status.yml plans, showing the node as unreachable
         probe = probe or {}
         gpus = probe.get("gpus") or []
-        if not HOST_NAME.match(name):
+        if not HOST_NAME.fullmatch(name):
             problems.add(f"inventory: host name {name!r}. Fix: letters, digits, '.' and '-' only "
                          f"(it goes into the hostfile, /etc/hosts and ssh's config).")
         addr = str(hv.get("dsc_addr") or hv.get("ansible_host") or name)
         try:
             addr = str(ipaddress.ip_address(addr))
         except ValueError:
-            if re.fullmatch(r"[0-9.]+", addr) or not HOST_NAME.match(addr):
+            if re.fullmatch(r"[0-9.]+", addr) or not HOST_NAME.fullmatch(addr):
                 problems.add(f"dsc_addr on host {name} is {addr!r}, not an IPv4 address. Fix: the "
                              f"node's address on the training network, e.g. 10.0.0.11.")
         if addr in seen_addr:
@@ -675,6 +727,8 @@ def _env_paths(s, install_root):
 def batch(micro, accum, total, world):
     """train_batch = micro x accum x world: derive what is missing (0 = not given), check the rest."""
     try:
+        if not all(_is_int(v) for v in (micro or 0, accum or 0, total or 0, world)):
+            raise ValueError("not a whole number")
         micro, accum, total, world = int(micro or 0), int(accum or 0), int(total or 0), int(world)
     except (TypeError, ValueError):
         return {"error": f"batch settings must be whole numbers (dsc_micro_batch={micro!r}, "
@@ -839,7 +893,7 @@ def parse_ds_env(text):
             raise ValueError(f".deepspeed_env line {n} has no '=' (blank or comment lines crash "
                              f"the launcher): {line!r}")
         key, val = line.split("=", 1)
-        if not ENV_NAME.match(key):
+        if not ENV_NAME.fullmatch(key):
             raise ValueError(f".deepspeed_env line {n}: {key!r} is not a plain variable name")
         env[key] = val
     return env
@@ -890,7 +944,7 @@ def _run_id(opt, preset, plan, runs_seen, now, problems):
                          f"{plan['master']}. Fix: pass -e run_id=ID of an earlier run.")
     if not run_id:
         run_id = f"{preset}-{now}"
-    if not RUN_ID.match(run_id) or run_id in (".", ".."):
+    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
         problems.add(f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and '-', "
                      f"starting with a letter or digit (it names a directory on every node).")
     return run_id
@@ -903,7 +957,7 @@ def _arguments(value, var, example, problems, also=None):
         problems.add(f"{var} is {value!r}. Fix: a list of arguments, e.g. {example}.")
         return []
     for arg in value:
-        if not DS_ENV_SAFE.match(str(arg)) and not (also and also.match(str(arg))):
+        if not DS_ENV_SAFE.fullmatch(str(arg)) and not (also and also.fullmatch(str(arg))):
             problems.add(f"{var} holds {str(arg)!r}. Fix: letters, digits and '@%+=:,./-_' only "
                          f"(the pdsh launcher passes arguments through a shell on every node).")
     return [str(a) for a in value]
@@ -1277,7 +1331,7 @@ def run_reference(run_id, runs, run_root):
     necessarily the run going on, and a stop of the wrong one would report "none left" while
     the real one trains); (id, dir, problem)."""
     if run_id:
-        if not RUN_ID.match(run_id) or run_id in (".", ".."):
+        if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
             return None, None, (f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and "
                                 f"'-', starting with a letter or digit.")
     else:
@@ -1331,6 +1385,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         return None, [f"inventory: the group '{CLUSTER_GROUP}' is empty or missing. Fix: list "
                       f"your nodes under 'all: children: {CLUSTER_GROUP}: hosts:' (see "
                       f"inventory/example/hosts.yml), and check the -i path."]
+    control_characters(hostvars, names, options, problems)
     s = _cluster_settings(hostvars, defaults, names, problems)
     _check_settings(s, names[0], problems, check_dir)
     torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)

@@ -35,7 +35,8 @@ def files(rules):
 @pytest.mark.parametrize("source,family,ufw", [
     ("192.0.2.9/24", "v4", "192.0.2.0/24"), ("::ffff:192.0.2.7", "v4", "192.0.2.7"),
     ("fe80::1%eth0", "v6", "fe80::1"), ("2001:db8::/64", "v6", "2001:db8::/64"),
-    ("10.0.0.1 x", None, None), ("bastion.example.com", None, None), ("10.0.0.1\n", "v4", "10.0.0.1"),
+    ("10.0.0.1 x", None, None), ("bastion.example.com", None, None), ("10.0.0.1\n", None, None), (" 10.0.0.1", None, None),
+    ("10.0.0.1\r", None, None), ("10.0.0.1\0", None, None), ("any\n", None, None),
 ])
 def test_the_plan_accepts_exactly_the_ssh_sources_the_rules_are_made_from(source, family, ufw):
     import dsc_plan

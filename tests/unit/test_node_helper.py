@@ -403,6 +403,17 @@ def test_latest_checkpoint_placeholder_takes_the_highest_step_or_drops_the_optio
     assert dsc_node.resolve_latest(argv, tmp_path / "nothing") == ["deepspeed", "run.py"]
 
 
+def test_latest_checkpoint_never_takes_a_name_with_a_line_end(tmp_path):
+    """A checkpoint name the training user made with a newline (pdsh's runner passes arguments
+    unquoted: a second command) is never chosen; a placeholder with one is not a placeholder."""
+    (tmp_path / "out" / "checkpoint-9").mkdir(parents=True)
+    for name in ("checkpoint-99\n", "checkpoint-98\r", "checkpoint-97\ntouch"):
+        (tmp_path / "out" / name).mkdir()
+    argv = ["run.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
+    assert dsc_node.resolve_latest(argv, tmp_path)[-1] == "out/checkpoint-9"
+    assert dsc_node.resolve_latest(["{latest:out/checkpoint-*}\n"], tmp_path) == ["{latest:out/checkpoint-*}\n"]
+
+
 def test_a_run_without_a_new_step_for_the_limit_is_stalled_until_the_next_step(tmp_path):
     run = dsc_node.RunDir(tmp_path)
     progress = tmp_path / "progress.jsonl"

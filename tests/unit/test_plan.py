@@ -848,3 +848,102 @@ def test_preset_auto_needs_gpus_and_a_users_script_needs_its_models_shape():
     assert errors == [] and p["run"]["preset"] == "zero1", errors
     p, errors = auto_plan(143771, dict(script, dsc_model_shape={"layers": 12}))
     assert any(e.startswith("dsc_model_shape is {'layers': 12}") for e in errors), errors
+
+
+# A valid value of each setting and run option, to which a control character is added.
+SAMPLES = {
+    "dsc_torch_version": "2.5.1", "dsc_deepspeed_version": "0.16.0", "dsc_addr": "10.0.0.11",
+    "dsc_run_root": "/opt/dscluster/runs", "dsc_wheelhouse": "/srv/wheels", "dsc_node_lock": "/srv/node.lock",
+    "dsc_pip_index_url": "https://pypi.example.org/simple", "dsc_conda_installer_file": "/srv/conda.sh",
+    "dsc_conda_installer_sha256": "a" * 64, "dsc_existing_python": "/opt/torch/bin/python",
+    "dsc_requirements_file": "/srv/req.txt", "dsc_data_dir": "/data/c4", "dsc_ssh_port": 22,
+    "cluster_network_ssh_sources": ["10.0.0.1"], "dsc_rank_env": {"NCCL_IB_HCA": "mlx5"},
+    "dsc_requirements": ["transformers==4.57.6"], "dsc_gpus": ["0"], "run_id": "r1",
+    "dsc_code_dir": "/shared/code", "dsc_entry_script": "train.py", "dsc_entry_args": ["--steps=1"],
+    "dsc_ds_config_file": "/srv/ds.json", "dsc_launcher_args": ["--bind_cores_to_rank"],
+    "plot_runs": ["r1"], "dsc_model_shape": {"layers": "2"}, "dsc_slots": "2", "dsc_ds_config_mode": "preset",
+    "dsc_ds_config_arg": "--deepspeed_config",
+}
+HOSTILE_ENDS = ["\n", "\r", "\0"]
+
+
+def with_end(name, end):
+    """SAMPLES' (or the default's) value of a setting with `end` after its (first) string."""
+    opt = OPTIONS[name]
+    value = SAMPLES.get(name, DEFAULTS[name])
+    if opt["type"] == "bool":
+        return f"{str(bool(value)).lower()}{end}"
+    if opt["type"] == "list":
+        return [f"{value[0]}{end}"] + list(value[1:])
+    if opt["type"] == "dict":
+        return {k: f"{v}{end}" for k, v in value.items()}
+    return f"{value}{end}"
+
+
+EVERY_SETTING = [n for n in OPTIONS if n not in dsc_plan.JSON_ONLY]
+
+
+@pytest.mark.parametrize("end", HOSTILE_ENDS, ids=["LF", "CR", "NUL"])
+@pytest.mark.parametrize("name", EVERY_SETTING)
+def test_every_setting_with_a_line_end_or_nul_is_refused_naming_it(name, end):
+    """Whatever the setting (inventory or -e), a trailing newline, a carriage return or a NUL in
+    any of its strings is refused before any node changes, the message naming it and the fix."""
+    value = with_end(name, end)
+    if name in dsc_plan.RUN_OPTIONS:
+        p, errors = plan(options={name: value}, full_run=True)
+    else:
+        p, errors = plan(**{name: value})
+    assert p is None
+    ours = [e for e in errors if e.startswith(name)]
+    assert any(f"holds a control character ({end!r})" in e and "Fix:" in e for e in ours), errors
+
+
+def test_control_characters_in_names_are_refused_too():
+    p, errors = plan(dsc_rank_env={"NCCL_IB_HCA\n": "mlx5"}, dsc_secrets={"HF_TOKEN\r": "x"})
+    assert any(e.startswith("dsc_rank_env (a key) on host node1 holds a control character ('\\n')") for e in errors), errors
+    assert any(e.startswith("dsc_secrets (a name) on host node1 holds a control character ('\\r')") for e in errors), errors
+
+
+def test_json_only_values_and_secret_values_may_hold_line_ends():
+    """train.json and the ds_config are JSON (never a path or a command line); a secret's value
+    (a PEM key) reaches only the ranks' environment."""
+    p, errors = plan(options={"dsc_train_config": {"prompt": "a\nb"}, "dsc_ds_config_overrides": {"x": "a\n"}},
+                     full_run=True, dsc_secrets={"SSH_KEY": "-----BEGIN-----\nabc\n"})
+    assert errors == [], errors
+
+
+@pytest.mark.parametrize("settings,options,needle", [
+    ({"dsc_install_root": "/opt/dscluster\n"}, None, "dsc_install_root on host node1 is '/opt/dscluster\\n'"),
+    ({"dsc_run_root": "/opt/dscluster/runs\n"}, None, "dsc_run_root on host node1 is '/opt/dscluster/runs\\n'"),
+    ({"dsc_data_dir": "/data\n", "dsc_data_shared": True}, None, "dsc_data_dir on host node1 is '/data\\n'"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/opt/t/bin/python\n"}, None, "dsc_existing_python on host node1"),
+    ({"dsc_torch_version": "2.5.1\n"}, None, "dsc_torch_version on host node1 is '2.5.1\\n'"),
+    ({"dsc_train_user": "dstrain\n"}, None, "dsc_train_user on host node1 is 'dstrain\\n'"),
+    ({"dsc_python_version": "3.11\n"}, None, "dsc_python_version on host node1"),
+    ({"dsc_master_port": "29500\n"}, None, "dsc_master_port on host node1 is '29500\\n'"),
+    ({"dsc_pg_timeout_min": "30\n"}, None, "dsc_pg_timeout_min on host node1"),
+    ({"dsc_rank_env": {"NCCL_IB_HCA": "mlx5\n"}}, None, "the value of NCCL_IB_HCA is 'mlx5\\n'"),
+    ({"dsc_rank_env": {"NCCL_IB_HCA\n": "mlx5"}}, None, "'NCCL_IB_HCA\\n' is not a plain variable name"),
+    ({"dsc_secrets": {"HF_TOKEN\n": "x"}}, None, "'HF_TOKEN\\n' is not a plain variable name"),
+    ({"cluster_network_ssh_sources": ["10.0.0.1\n"]}, None, "cluster_network_ssh_sources on host node1"),
+    ({"dsc_addr": "127.0.0.1\n"}, None, "dsc_addr on host node1"),
+    ({"dsc_slots": "2\n"}, None, "dsc_slots on host node1 is '2\\n'"),
+    ({"dsc_ssh_port": "22\r"}, None, "dsc_ssh_port on host node1 is '22\\r'"),
+    ({"dsc_gpus": ["0\n"]}, None, "dsc_gpus on host node1"),
+    ({}, {"run_id": "r1\n"}, "run_id is 'r1\\n'"),
+    ({}, {"dsc_entry_args": ["--steps=1\n", "touch", "/tmp/x"]}, "dsc_entry_args holds '--steps=1\\n'"),
+    ({}, {"dsc_launcher_args": ["--bind_core_list", "0-3\n"]}, "dsc_launcher_args holds '0-3\\n'"),
+    ({}, {"dsc_resume_args": ["--resume_from_checkpoint", "{latest:out/checkpoint-*}\n"]}, "dsc_resume_args holds"),
+    ({}, {"dsc_entry_module": "train.run\n"}, "dsc_entry_module is 'train.run\\n'"),
+    ({}, {"dsc_code_dir": "/shared/code\n", "dsc_code_shared": True}, "dsc_code_dir (dsc_code_shared) is '/shared/code\\n'"),
+    ({}, {"max_restarts": "1\n"}, "max_restarts is '1\\n'"),
+    ({}, {"dsc_micro_batch": "2\n"}, "batch settings must be whole numbers"),
+    ({}, {"preset": "zero2\n"}, "preset is 'zero2\\n'"),
+])
+def test_every_check_matches_the_whole_string(monkeypatch, settings, options, needle):
+    """Each setting's own check, without the control-character pass in front of it: `$` took a
+    trailing newline, fullmatch does not."""
+    monkeypatch.setattr(dsc_plan, "control_characters", lambda *a: None)
+    p, errors = plan(options=options, full_run=options is not None, **settings)
+    assert p is None and any(needle in e for e in errors), errors
+    assert all("Fix:" in e for e in errors), errors
