@@ -43,8 +43,10 @@ class ActionModule(ActionBase):
         args = self._task.args
         if args.get("literal_extra_vars"):
             # The first task of every playbook, before anything reads an -e value: the values as
-            # given on the command line (and in -e @files), parsed, never templated.
-            problems = dsc_plan.literal_extra_vars(load_extra_vars(self._loader))
+            # given on the command line (and in -e @files), parsed, never templated. Whatever
+            # this Ansible's own detection calls a template is refused too.
+            problems = dsc_plan.literal_extra_vars(load_extra_vars(self._loader),
+                                                   getattr(self._templar, "is_possibly_template", None))
             return failed(result, problems, f"{len(problems)} problem(s), nothing was changed:") \
                 if problems else dict(result, changed=False)
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]

@@ -1302,27 +1302,36 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     }
 
 
-JINJA = re.compile(r"{{|{%|{#")
+# What makes a string a template to Ansible: a start string of Jinja's default delimiters, or a
+# '#jinja2:' header (ansible-core 2.19 templates a string that begins with one, with whatever
+# delimiters the header sets). Refused anywhere in the string: a superset of both.
+JINJA = re.compile(r"{{|{%|{#|#jinja2:")
 
 
-def templates_in(value, where):
-    """The paths of the strings in value (an -e value: str, list, dict) that hold Jinja; Ansible
-    would evaluate them (lookups run commands on the control node), so the plan refuses them."""
+def templates_in(value, where, is_template=None):
+    """The paths of the strings in value (an -e value: str, list, dict; keys too) that Ansible
+    would evaluate as templates (lookups run commands on the control node), so the plan refuses
+    them: JINJA, and `is_template` (the running Ansible's own detection, when given) besides."""
+    def hit(text):
+        return isinstance(text, str) and bool(JINJA.search(text) or (is_template and is_template(text)))
     if isinstance(value, str):
-        return [where] if JINJA.search(value) else []
+        return [where] if hit(value) else []
     if isinstance(value, dict):
-        return [p for k, v in value.items() for p in templates_in(v, f"{where}.{k}")] + \
-               [f"{where} (a key)" for k in value if isinstance(k, str) and JINJA.search(k)]
+        return [p for k, v in value.items() for p in templates_in(v, f"{where}.{k}", is_template)] + \
+               [f"{where} (a key)" for k in value if hit(k)]
     if isinstance(value, (list, tuple)):
-        return [p for i, v in enumerate(value) for p in templates_in(v, f"{where}[{i}]")]
+        return [p for i, v in enumerate(value) for p in templates_in(v, f"{where}[{i}]", is_template)]
     return []
 
 
-def literal_extra_vars(extra):
+def literal_extra_vars(extra, is_template=None):
     """Every -e value is taken literally: a problem per variable that holds a Jinja template."""
-    return [f"{path} holds a Jinja template: -e values are taken literally and never evaluated "
-            f"(a lookup there would run on the control node). Fix: pass the plain value."
-            for name, value in extra.items() for path in templates_in(value, str(name))]
+    return [f"{path} holds a Jinja template ('{{{{', '{{%', '{{#' or a '#jinja2:' header): -e values "
+            f"are taken literally and never evaluated (a lookup there would run on the control "
+            f"node). Fix: pass the plain value."
+            for name, value in extra.items()
+            for path in (templates_in(value, str(name), is_template)
+                         + ([f"{name} (the name)"] if templates_in(str(name), "", is_template) else []))]
 
 
 def run_reference(run_id, runs, run_root):

@@ -786,6 +786,57 @@ def test_jinja_in_an_extra_var_is_refused_wherever_it_hides():
     assert dsc_plan.literal_extra_vars({"run_id": "r1", "x": {"y": [1, "z"]}}) == []
 
 
+# A '#jinja2:' header sets the delimiters of the rest: none of Jinja's defaults need appear.
+HEADERS = [
+    "#jinja2:variable_start_string:'[%',variable_end_string:'%]'\n[% lookup('pipe', 'id') %]zero2",
+    "#jinja2:line_statement_prefix:'%'\n% set x = lookup('pipe', 'id')\nzero2",
+    "#jinja2:comment_start_string:'<#',comment_end_string:'#>'\nzero2<# c #>",
+    "#jinja2:trim_blocks:False\nzero2",
+]
+
+
+def ansible_templates():
+    """ansible-core's own decisions: its quick check (Templar.is_possibly_template) and its
+    engine's (Templar.is_template, on the string trusted as a template, as -e values are)."""
+    from ansible._internal._datatag._tags import TrustedAsTemplate
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.template import Templar
+    templar = Templar(loader=DataLoader(), variables={})
+    return templar, lambda text: (templar.is_possibly_template(text)
+                                  or templar.is_template(TrustedAsTemplate().tag(text)))
+
+
+def test_a_jinja2_header_is_refused_as_ansible_would_evaluate_it():
+    """ansible-core evaluates a string that begins with '#jinja2:' with the delimiters it sets
+    (an -e @file's preset ran a lookup that way); the plan refuses it, named."""
+    from ansible._internal._datatag._tags import TrustedAsTemplate
+    templar, is_template = ansible_templates()
+    assert templar.template(TrustedAsTemplate().tag("#jinja2:variable_start_string:'[%',"
+                                                    "variable_end_string:'%]'\n[% 7*7 %]")) == 49
+    for text in HEADERS:
+        assert is_template(text)
+        assert [p.split(" holds")[0] for p in dsc_plan.literal_extra_vars({"preset": text})] == ["preset"]
+        assert [p.split(" holds")[0] for p in dsc_plan.literal_extra_vars(
+            {"dsc_train_config": {"data": [text]}})] == ["dsc_train_config.data[0]"]
+
+
+def test_every_string_ansible_treats_as_a_template_is_refused():
+    """Every string of pieces (delimiters of either kind, a header, line ends, plain text) that
+    ansible-core in .venv calls a template is refused by the plan's own check; the action adds
+    Ansible's quick check besides, so that a later Ansible's new forms are refused as well."""
+    import itertools
+    templar, is_template = ansible_templates()
+    pieces = ["{", "}", "%", "#", "{{", "{%", "{#", "#jinja2:", "[%", "\n", " ", "x", "'"]
+    corpus = {"".join(p) for n in range(1, 4) for p in itertools.product(pieces, repeat=n)}
+    corpus |= set(HEADERS) | {" #jinja2:x\n", "\n{{ 1 }}", "{ {", "%}", "}}", "#}"}
+    templates = [text for text in sorted(corpus) if is_template(text)]
+    assert len(templates) > 500
+    missed = [text for text in templates if not dsc_plan.templates_in(text, "v")]
+    assert missed == []
+    assert dsc_plan.templates_in("[% x %]", "v", lambda text: text.startswith("[%")) == ["v"]
+    assert not dsc_plan.templates_in("zero2", "v", templar.is_possibly_template)
+
+
 def gpus_of(memory_mib, n=1, gpus=1):
     hostvars, groups, probes = cluster(n, slots=gpus, gpus=gpus)
     for p in probes.values():
