@@ -247,7 +247,33 @@ def _cluster_settings(hostvars, defaults, names, problems):
     return values
 
 
-def _abs_path(problems, var, value, example, where):
+# System and shared directories, never a root of the toolkit's (it gives its roots to the
+# training user, and launch syncs the dataset into dsc_data_dir deleting what the control node
+# lacks): these trees whole (the directory and everything under it) ...
+SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/boot", "/dev", "/proc", "/sys", "/run", "/root",
+                "/var/run", "/var/lock")
+# ... /lib, /lib64, /lib32, /libx32 ... (and their trees)
+SYSTEM_LIB = re.compile(r"/lib(x?[0-9]+)?")
+# ... and these directories themselves (a directory of your own under them is fine).
+SHARED_ROOTS = ("/", "/var", "/home", "/tmp", "/opt", "/srv", "/mnt", "/media", "/var/tmp",
+                "/var/lib", "/var/log", "/var/cache", "/var/spool", "/var/mail")
+
+
+def system_dir(path, trees=SYSTEM_TREES):
+    """The system directory `path` is or is in (an absolute path, '..'-free as _abs_path has
+    it), or None: '/', SHARED_ROOTS themselves, `trees` and /lib* whole."""
+    path = re.sub("/+", "/", str(path)).rstrip("/") or "/"
+    if path in SHARED_ROOTS:
+        return path
+    top = "/" + path.split("/")[1]
+    if SYSTEM_LIB.fullmatch(top):
+        return top
+    return next((t for t in trees if path == t or path.startswith(t + "/")), None)
+
+
+def _abs_path(problems, var, value, example, where, root=""):
+    """An absolute path of the safe characters, without '..'; with `root` (what the toolkit does
+    to it) not a system directory either (system_dir). True when it passes."""
     value = str(value)
     if not posixpath.isabs(value):
         problems.add(f"{var} {where} is {value!r}, not an absolute path. Fix: an absolute path "
@@ -255,6 +281,20 @@ def _abs_path(problems, var, value, example, where):
     elif not SAFE_PATH.fullmatch(value) or "/../" in value + "/" or "/./" in value + "/":
         problems.add(f"{var} {where} is {value!r}. Fix: an absolute path of letters, digits and "
                      f"'._-+@/' only, without '..' (it reaches commands run as root).")
+    elif root and system_dir(value):
+        problems.add(f"{var} {where} is {value!r}, {_system_words(system_dir(value))}, and {root}. "
+                     f"Fix: a directory of the toolkit's own, such as {example}.")
+    else:
+        return True
+    return False
+
+
+def _system_words(found):
+    if found == "/":
+        return "the root directory"
+    if found in SHARED_ROOTS:
+        return f"the system directory {found} itself"
+    return f"in the system tree {found}"
 
 
 def _control_paths(value, where):
@@ -294,14 +334,35 @@ def control_characters(hostvars, names, options, problems):
                 problems.add(f"{path} holds a control character ({char!r}). {fix}")
 
 
+def _existing_python(problems, py, where):
+    """dsc_existing_python: its env (two levels up) is the env's prefix, whose bin/ leads PATH
+    on every node: not '/', a shared root itself, or a system tree (the system's own interpreter,
+    /usr/bin/python3 or /usr/local/bin/python3, excepted: root's, used as it is)."""
+    example = "/opt/torch/.venv/bin/python"
+    if not _abs_path(problems, "dsc_existing_python", py, example, where):
+        return
+    prefix = posixpath.dirname(posixpath.dirname(re.sub("/+", "/", py).rstrip("/")))
+    found = system_dir(prefix, tuple(t for t in SYSTEM_TREES if t != "/usr"))
+    if found or posixpath.basename(posixpath.dirname(py)) != "bin":
+        what = ("not in an env's bin directory" if posixpath.basename(posixpath.dirname(py)) != "bin"
+                else f"whose env {prefix!r} is {_system_words(found)}")
+        problems.add(f"dsc_existing_python {where} is {py!r}, {what}: its bin directory leads "
+                     f"every rank's PATH and its prefix is taken as the env's. Fix: the "
+                     f"interpreter of an env of its own, e.g. {example} (or the system's "
+                     f"/usr/bin/python3).")
+
+
 def _check_settings(s, first, problems, check_dir):
     """What the argument spec can't say about the cluster-wide settings (its types and choices are
     checked before the plan, by the plan role's argument validation). `first` names the host whose
     value is shown (they agree, or a 'differs' message came already)."""
     where = f"on host {first}"
-    _abs_path(problems, "dsc_install_root", s["dsc_install_root"], "/opt/dscluster", where)
+    _abs_path(problems, "dsc_install_root", s["dsc_install_root"], "/opt/dscluster", where,
+              "provision makes it the training user's (with the env, the cache and the wheelhouse "
+              "target under it)")
     if s["dsc_run_root"]:
-        _abs_path(problems, "dsc_run_root", s["dsc_run_root"], "/opt/dscluster/runs", where)
+        _abs_path(problems, "dsc_run_root", s["dsc_run_root"], "/opt/dscluster/runs", where,
+                  "provision makes it the training user's")
     for var, example in (("dsc_torch_version", "2.13.0"), ("dsc_deepspeed_version", "0.19.8")):
         if not EXACT_VERSION.fullmatch(str(s[var])):
             problems.add(f"{var} {where} is {str(s[var])!r}, not an exact version. Fix: pin one "
@@ -337,7 +398,7 @@ def _check_settings(s, first, problems, check_dir):
             problems.add(f"dsc_existing_python {where} is {py!r}. Fix: the absolute path of the "
                          f"interpreter already on the node, e.g. /opt/torch/.venv/bin/python.")
         else:
-            _abs_path(problems, "dsc_existing_python", py, "/opt/torch/.venv/bin/python", where)
+            _existing_python(problems, py, where)
     wheelhouse = str(s["dsc_wheelhouse"] or "")
     if wheelhouse and check_dir is not None and not check_dir(wheelhouse):
         problems.add(f"dsc_wheelhouse {where} is {wheelhouse!r}, which does not exist on the "
@@ -529,10 +590,14 @@ def _lock(s, texts, where, problems, check_dir):
 def _data(s, where, problems, check_dir):
     """The dataset directory: synced from the control node to the same path on every node, or
     (dsc_data_shared) already there on a shared filesystem, checked by preflight."""
-    path = str(s["dsc_data_dir"] or "").rstrip("/")
-    if not path:
+    given = str(s["dsc_data_dir"] or "")
+    if not given:
         return {"dir": "", "shared": False}
-    _abs_path(problems, "dsc_data_dir", path, "/data/my-dataset", where)
+    path = given.rstrip("/") or "/"
+    _abs_path(problems, "dsc_data_dir", path, "/data/my-dataset", where,
+              "launch makes it the training user's and syncs the dataset into it, deleting what "
+              "the control node lacks" if not as_bool(s["dsc_data_shared"]) else
+              "every rank reads it as the dataset (dsc_data_shared)")
     shared = as_bool(s["dsc_data_shared"])
     if not shared and check_dir is not None and not check_dir(path):
         problems.add(f"dsc_data_dir {where} is {path!r}, which is not a directory on the control "
@@ -994,7 +1059,8 @@ def _entry(opt, paths, problems):
     shared = as_bool(opt["dsc_code_shared"])
     code_dir = str(opt["dsc_code_dir"] or "") or str(Path(paths["repo"]) / "train")
     if shared:
-        _abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)")
+        _abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)",
+                  "every rank runs the code in it, from it")
     elif not os.path.isdir(code_dir):
         problems.add(f"dsc_code_dir is {code_dir!r}, which is not a directory on the control "
                      f"node. Fix: the directory that holds your training code.")

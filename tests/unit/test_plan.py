@@ -998,3 +998,53 @@ def test_every_check_matches_the_whole_string(monkeypatch, settings, options, ne
     p, errors = plan(options=options, full_run=options is not None, **settings)
     assert p is None and any(needle in e for e in errors), errors
     assert all("Fix:" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("settings,options,needle", [
+    ({"dsc_install_root": "/"}, None, "dsc_install_root on host node1 is '/', the root directory"),
+    ({"dsc_install_root": "/etc"}, None, "dsc_install_root on host node1 is '/etc', in the system tree /etc"),
+    ({"dsc_install_root": "/usr/local/dscluster"}, None, "is '/usr/local/dscluster', in the system tree /usr"),
+    ({"dsc_install_root": "/var"}, None, "is '/var', the system directory /var itself"),
+    ({"dsc_install_root": "/home/"}, None, "is '/home/', the system directory /home itself"),
+    ({"dsc_install_root": "//etc"}, None, "is '//etc', in the system tree /etc"),
+    ({"dsc_install_root": "/lib64/x"}, None, "in the system tree /lib64"),
+    ({"dsc_run_root": "/"}, None, "dsc_run_root on host node1 is '/', the root directory"),
+    ({"dsc_run_root": "/etc"}, None, "dsc_run_root on host node1 is '/etc', in the system tree /etc"),
+    ({"dsc_run_root": "/tmp"}, None, "dsc_run_root on host node1 is '/tmp', the system directory /tmp itself"),
+    ({"dsc_run_root": "/var/run/ds"}, None, "in the system tree /var/run"),
+    ({"dsc_run_root": "/root/runs"}, None, "in the system tree /root"),
+    ({"dsc_run_root": "/proc/1/cwd"}, None, "in the system tree /proc"),
+    ({"dsc_data_dir": "/etc", "dsc_data_shared": True}, None, "dsc_data_dir on host node1 is '/etc', in the system tree /etc"),
+    ({"dsc_data_dir": "/"}, None, "dsc_data_dir on host node1 is '/', the root directory, and launch makes it the training user's and syncs"),
+    ({"dsc_data_dir": "/boot"}, None, "dsc_data_dir on host node1 is '/boot'"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/bin/python3"}, None,
+     "dsc_existing_python on host node1 is '/bin/python3', whose env '/' is the root directory"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/tmp/bin/python"}, None,
+     "whose env '/tmp' is the system directory /tmp itself"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/root/.venv/bin/python"}, None,
+     "whose env '/root/.venv' is in the system tree /root"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/opt/torch/python"}, None,
+     "not in an env's bin directory"),
+    ({}, {"dsc_code_dir": "/usr", "dsc_code_shared": True}, "dsc_code_dir (dsc_code_shared) is '/usr', in the system tree /usr"),
+    ({}, {"dsc_code_dir": "/", "dsc_code_shared": True}, "dsc_code_dir (dsc_code_shared) is '/', the root directory"),
+])
+def test_system_directories_are_refused_as_roots(settings, options, needle):
+    """A root the toolkit gives to the training user (and the dataset's, synced with delete)
+    is never /, a system tree or a shared root itself, before any node changes."""
+    p, errors = plan(options=options, full_run=options is not None, **settings)
+    assert p is None and any(needle in e and "Fix: a directory of the toolkit's own" in e
+                             or needle in e and "Fix: the interpreter of an env of its own" in e
+                             for e in errors), errors
+
+
+@pytest.mark.parametrize("settings", [
+    {"dsc_install_root": "/opt/dscluster", "dsc_run_root": "/var/lib/dscluster/runs"},
+    {"dsc_run_root": "/home/alice/runs"}, {"dsc_run_root": "/tmp/dsc-runs"}, {"dsc_install_root": "/srv/ds/"},
+    {"dsc_data_dir": "/mnt/datasets/c4", "dsc_data_shared": True}, {"dsc_run_root": "/library/runs"},
+    {"dsc_env_manager": "existing", "dsc_existing_python": "/usr/bin/python3"},
+    {"dsc_env_manager": "existing", "dsc_existing_python": "/usr/local/bin/python3"},
+    {"dsc_env_manager": "existing", "dsc_existing_python": "/opt/conda/envs/ds/bin/python"},
+])
+def test_directories_of_their_own_under_shared_roots_are_accepted(settings):
+    p, errors = plan(**settings)
+    assert errors == [], errors
