@@ -646,6 +646,39 @@ def check_env_var(problems, key, value, where):
                      f"'@%+=:,./-_' only (DeepSpeed's runner puts it on a shell command line).")
 
 
+def training_address(name, hv):
+    """(the node's training address, a problem or None): dsc_addr, else ansible_host, else the
+    inventory name; an IPv4 address (not unspecified or multicast). A host name is refused (the
+    firewall's rules, NCCL's interface and the rendezvous are made from the address, and one
+    resolved differently on each node would split them), and so is IPv6, not supported yet
+    (the probe reads IPv4 interfaces only): both before any node changes."""
+    given = hv.get("dsc_addr")
+    addr = str(given or hv.get("ansible_host") or name)
+    if given:
+        where = f"dsc_addr on host {name} is {addr!r}"
+    elif hv.get("ansible_host"):
+        where = f"dsc_addr on host {name} is unset and ansible_host, which stands for it, is {addr!r}"
+    else:
+        where = (f"dsc_addr on host {name} is unset, and so is ansible_host: the inventory name "
+                 f"{addr!r} stands for it")
+    fix = "Fix: set dsc_addr to the node's IPv4 address on the training network, e.g. 10.0.0.11"
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        if HOST_NAME.fullmatch(addr) and not re.fullmatch(r"[0-9.]+", addr):
+            return addr, (f"{where}, a host name, not an IPv4 address: the firewall's rules, NCCL's "
+                          f"interface and the rendezvous are made from the address. {fix}.")
+        return addr, f"{where}, not an IPv4 address. {fix}."
+    if ip.version == 6:
+        return addr, (f"{where}, an IPv6 address: IPv6 training addresses are not supported yet "
+                      f"(the probe, NCCL's interface and the rendezvous are IPv4 here; the "
+                      f"firewall covers both families). {fix}"
+                      + (f" ({ip.ipv4_mapped} here)." if ip.ipv4_mapped else "."))
+    if ip.is_unspecified or ip.is_multicast or addr == "255.255.255.255":
+        return addr, f"{where}, not the address of one node. {fix}."
+    return str(ip), None
+
+
 def _nodes(names, hostvars, defaults, probes, problems):
     nodes, seen_addr, seen_target = [], {}, {}
     for rank, name in enumerate(names):
@@ -657,13 +690,9 @@ def _nodes(names, hostvars, defaults, probes, problems):
         if not HOST_NAME.fullmatch(name):
             problems.add(f"inventory: host name {name!r}. Fix: letters, digits, '.' and '-' only "
                          f"(it goes into the hostfile, /etc/hosts and ssh's config).")
-        addr = str(hv.get("dsc_addr") or hv.get("ansible_host") or name)
-        try:
-            addr = str(ipaddress.ip_address(addr))
-        except ValueError:
-            if re.fullmatch(r"[0-9.]+", addr) or not HOST_NAME.fullmatch(addr):
-                problems.add(f"dsc_addr on host {name} is {addr!r}, not an IPv4 address. Fix: the "
-                             f"node's address on the training network, e.g. 10.0.0.11.")
+        addr, problem = training_address(name, hv)
+        if problem:
+            problems.add(problem)
         if addr in seen_addr:
             problems.add(f"dsc_addr on host {name} is {addr}, the same as on host "
                          f"{seen_addr[addr]}. Fix: give each node its own training-network "
@@ -1470,7 +1499,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     nodes = _nodes(names, hostvars, defaults, probes, problems)
     _firewall_backends(nodes, probes, s, firewall, problems)
     for node in nodes:
-        if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}):
+        if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}) \
+                and not training_address(node["name"], hostvars.get(node["name"]) or {})[1]:
             seen = ", ".join(a for addrs in ((probes.get(node["name"]) or {}).get("interfaces")
                                              or {}).values() for a in addrs or [])
             problems.add(f"dsc_addr on host {node['name']} is {node['addr']}, which no interface "

@@ -1048,3 +1048,25 @@ def test_system_directories_are_refused_as_roots(settings, options, needle):
 def test_directories_of_their_own_under_shared_roots_are_accepted(settings):
     p, errors = plan(**settings)
     assert errors == [], errors
+
+
+@pytest.mark.parametrize("node1,needle", [
+    ({"dsc_addr": "node1.lab.example"}, "dsc_addr on host node1 is 'node1.lab.example', a host name, not an IPv4 address"),
+    ({"dsc_addr": None, "ansible_host": "gpu1.lab"},
+     "dsc_addr on host node1 is unset and ansible_host, which stands for it, is 'gpu1.lab', a host name"),
+    ({"dsc_addr": None}, "dsc_addr on host node1 is unset, and so is ansible_host: the inventory name 'node1' stands for it, a host name"),
+    ({"dsc_addr": "fd89:77::11"}, "dsc_addr on host node1 is 'fd89:77::11', an IPv6 address: IPv6 training addresses are not supported yet"),
+    ({"dsc_addr": "fe80::1%eth0"}, "an IPv6 address: IPv6 training addresses are not supported yet"),
+    ({"dsc_addr": "::ffff:10.0.0.11"}, "are not supported yet (the probe, NCCL's interface and the rendezvous are IPv4 here; the firewall covers both families). Fix: set dsc_addr to the node's IPv4 address on the training network, e.g. 10.0.0.11 (10.0.0.11 here)."),
+    ({"dsc_addr": "0.0.0.0"}, "dsc_addr on host node1 is '0.0.0.0', not the address of one node"),
+    ({"dsc_addr": "224.0.0.1"}, "not the address of one node"),
+    ({"dsc_addr": "10.0.0.300"}, "dsc_addr on host node1 is '10.0.0.300', not an IPv4 address. Fix: set dsc_addr"),
+])
+def test_a_training_address_is_an_ipv4_address_of_one_node(node1, needle):
+    """Host names and IPv6 passed the plan and failed in the firewall filter after other roles
+    had changed the nodes: refused by the plan now, before any node changes, saying which."""
+    hostvars, groups, probes = cluster(2)
+    hostvars["node1"].update(node1)
+    hostvars["node1"] = {k: v for k, v in hostvars["node1"].items() if v is not None}
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    assert p is None and any(needle in e and "Fix:" in e for e in errors), errors
