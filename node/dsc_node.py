@@ -101,13 +101,49 @@ def secrets_file(run_dir):
     """Where a run's secrets live: beside the run directory, never in it (logs.yml copies the
     run directory), readable by the training user only."""
     run_dir = Path(run_dir)
-    return run_dir.parent / ".secrets" / f"{run_dir.name}.json"
+    return run_dir.parent / SECRETS_DIR / f"{run_dir.name}.json"
+
+
+SECRETS_DIR = ".secrets"  # in the run root: never a run (runs() leaves out every dot name)
+
+
+def has_secrets(run_dir):
+    """Whether the run's secrets file is there (lstat: never followed, root may ask)."""
+    try:
+        return stat_mod.S_ISREG(os.lstat(secrets_file(run_dir)).st_mode)
+    except OSError:
+        return False
+
+
+def prune_secrets(run_root):
+    """Remove the secrets files whose run directory is gone (a secrets file goes with its run;
+    run by the training user, at write-secrets and start): the ids removed."""
+    folder = Path(run_root) / SECRETS_DIR
+    if folder.is_symlink():
+        return []
+    gone = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return gone
+    for e in entries:
+        run_id = e.name[:-len(".json")] if e.name.endswith(".json") else ""
+        if run_id and not os.path.lexists(Path(run_root) / run_id):
+            try:
+                os.unlink(e.path)
+                gone.append(run_id)
+            except OSError:
+                pass
+    return sorted(gone)
 
 
 def write_secrets(run_dir, values):
     """The run's secrets, written by the training user: directory 0700, file 0600, created with
-    those modes (never world-readable, not even for a moment)."""
+    those modes (never world-readable, not even for a moment). Kept beside the run: resume and
+    the supervisor's restarts start its ranks with them, without the operator passing them
+    again; those of runs whose directory is gone are removed."""
     path = secrets_file(run_dir)
+    prune_secrets(path.parent.parent)
     path.parent.mkdir(mode=0o700, exist_ok=True)
     os.chmod(path.parent, 0o700)
     tmp = path.with_name(path.name + ".tmp")
@@ -248,7 +284,8 @@ def entry(args, local_rank=()):
             os.environ.update(json.loads(secrets_file(run_dir).read_text()))
         except (OSError, ValueError) as e:
             raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
-                             f"be read: {e}. Fix: launch the run again (launch.yml writes them).")
+                             f"be read: {e}. Fix: resume with dsc_secrets given again (resume.yml "
+                             f"writes them anew on every node).")
     patches = {"accelerate.state": accelerate_on_cpu}
     if run_dir:
         patches["deepspeed.runtime.engine"] = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS)
@@ -398,7 +435,7 @@ def runs(run_root):
     except OSError:
         return out
     for e in entries:
-        if not e.is_dir(follow_symlinks=False):
+        if not e.is_dir(follow_symlinks=False) or e.name.startswith("."):  # .secrets: no run
             continue
         d = RunDir(e.path)
         try:
@@ -407,7 +444,8 @@ def runs(run_root):
             finished = False
         out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,
                     "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID)),
-                    "finished": finished, "launch": read_json(d / RunDir.LAUNCH)})
+                    "finished": finished, "launch": read_json(d / RunDir.LAUNCH),
+                    "secrets": has_secrets(e.path)})
     return sorted(out, key=lambda r: r["mtime"], reverse=True)
 
 
@@ -1256,6 +1294,7 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     run = RunDir(run_dir)
     lock = open(Path(run_root) / RunDir.LOCK, "a")
     fcntl.flock(lock, fcntl.LOCK_EX)  # held until the new supervisor's pid is recorded
+    best_effort(prune_secrets, run_root)
     other = active(run_root)
     if other and other["run_id"] == run_id:  # two launches of one run id raced past the plan
         print(json.dumps({"started": False, "active": other, "error": f"run {run_id} is already running"}))

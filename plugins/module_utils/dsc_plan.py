@@ -738,6 +738,8 @@ def _nodes(names, hostvars, defaults, probes, problems):
             "helper_sha256": probe.get("helper_sha256"),
             # Symbolic links in the run root: never a run directory (see _refused_starts).
             "run_root_links": list(probe.get("run_root_links") or []),
+            # The runs whose secrets file is there (resume uses it: _resume_secrets).
+            "runs_with_secrets": [r["id"] for r in probe.get("runs") or [] if r.get("secrets")],
         })
     return nodes
 
@@ -1162,6 +1164,43 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
                      f"run_id.")
 
 
+def secrets_path(run_root, run_id):
+    """Where the node helper keeps a run's secrets (dsc_node.secrets_file): beside the run."""
+    return f"{run_root}/.secrets/{run_id}.json"
+
+
+def _resume_secrets(run_id, plan, runs_seen, problems):
+    """On resume: whether the ranks load the run's secrets (DSC_SECRETS). Given again
+    (dsc_secrets), they are written anew and must name every secret the run was launched with;
+    not given, the run's own file (0600, beside it) is used, on every node, or resume refuses,
+    naming the secrets: ranks never start without them silently."""
+    run = next((r for r in runs_seen if r["id"] == run_id), None)
+    if run is None or "nodes" not in plan:
+        return False
+    recorded = sorted(map(str, (run.get("launch") or {}).get("secret_names") or []))
+    given = plan.get("secret_names") or []
+    if given:
+        missing = [n for n in recorded if n not in given]
+        if missing:
+            problems.add(f"dsc_secrets: run {run_id!r} was launched with {', '.join(recorded)}; this "
+                         f"resume gives {', '.join(given)} and leaves out {', '.join(missing)}, "
+                         f"which its ranks would start without. Fix: give every one of them (the "
+                         f"resume writes the run's secrets anew), or none: the run's own are used.")
+        return True
+    having = [n["name"] for n in plan["nodes"] if run_id in n.get("runs_with_secrets", ())]
+    if not recorded and not having:
+        return False
+    lacking = [n["name"] for n in plan["nodes"] if n["reachable"] and n["name"] not in having]
+    if lacking:
+        names = ", ".join(recorded) or "secrets"
+        problems.add(f"dsc_secrets: run {run_id!r} was launched with {names}, and its secrets file "
+                     f"({secrets_path(plan['run_root'], run_id)}) is gone on {', '.join(lacking)}: "
+                     f"its ranks would start without {'them' if recorded else 'theirs'}. Fix: give "
+                     f"dsc_secrets again ({names}: the vault file, or -e @file); the resume "
+                     f"writes them anew on every node.")
+    return True
+
+
 def _rendered(paths, plan, env, problems):
     """The hostfile and .deepspeed_env from templates/, checked with DeepSpeed's own parsing."""
     hostfile = render(paths["templates"], "hostfile.j2", nodes=plan["nodes"])
@@ -1341,6 +1380,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
                 k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
             problems.add(sizes["error"])
     _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems)
+    secrets = resume and _resume_secrets(run_id, plan, runs_seen, problems)
     archive = ""
     if not entry["shared"] and not resume and os.path.isdir(entry["code_dir"]):
         try:
@@ -1364,6 +1404,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if config is not None:
         _run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
     env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
+    if secrets:  # the run's own, kept beside it (the supervisor's restarts keep this env)
+        env["DSC_SECRETS"] = "1"
     if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them; its
         # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
         dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
@@ -1384,6 +1426,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "code_dir": entry["code_dir"], "code_shared": entry["shared"],
         "code_dest": f"{run_dir}/code/{code_base}" if package_dir else f"{run_dir}/code",
         "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/code", "env": env,
+        "secrets_file": secrets_path(plan["run_root"], run_id),
         "commands": _commands(plan, s, run_dir, entry, config_arg, resume), "code_archive": archive,
         # Written into the run directory on every node (name -> text).
         "files": {
@@ -1391,7 +1434,10 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
             "hostfile": hostfile,
             "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
             "run_id": run_id + "\n",
-            "launch.json": json.dumps({k: opt[k] for k in LAUNCH_SPEC}, indent=2, sort_keys=True) + "\n",
+            # with the names (never the values) of its secrets: resume checks they are there
+            "launch.json": json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
+                                           secret_names=plan["secret_names"]),
+                                      indent=2, sort_keys=True) + "\n",
             ".deepspeed_env": env_text,
         },
     }

@@ -353,7 +353,7 @@ def test_the_entry_shim_runs_a_script_or_module_as_python_would_with_the_secrets
     (tmp_path / "runs" / ".secrets" / "r1.json").unlink()
     r = subprocess.run([sys.executable, str(HELPER), "entry", "--script", str(code / "train.py")],
                        cwd=code, env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "the run's secrets" in r.stderr and "Fix: launch the run again" in r.stderr
+    assert r.returncode != 0 and "the run's secrets" in r.stderr and "Fix: resume with dsc_secrets given again" in r.stderr
 
 
 @pytest.mark.parametrize("end,code", [("", 0), ("sys.exit(0)", 0), ("sys.exit(3)", 3),
@@ -571,3 +571,29 @@ def test_the_probe_reads_the_running_firewall_from_files(tmp_path, release, ufw_
         (tmp_path / "proc" / str(pid)).mkdir(parents=True)
         (tmp_path / "proc" / str(pid) / "comm").write_text(comm + "\n")
     assert dsc_node.firewalls(tmp_path) == want
+
+
+def test_a_secrets_file_is_kept_beside_its_run_goes_with_it_and_is_never_a_run(tmp_path):
+    """The run's secrets stay (0600) for resume and restarts; .secrets is never listed as a run
+    (resume without run_id took it for the newest); the probe says which runs have them; a
+    secrets file whose run directory is gone is removed at the next write-secrets or start."""
+    root = tmp_path / "runs"
+    for run_id in ("r1", "r2"):
+        (root / run_id).mkdir(parents=True)
+        helper("write-secrets", root / run_id, stdin=json.dumps({"WANDB_API_KEY": "k-" + run_id}))
+    assert oct((root / ".secrets" / "r1.json").stat().st_mode & 0o777) == "0o600"
+    assert oct((root / ".secrets").stat().st_mode & 0o777) == "0o700"
+    listed = dsc_node.runs(root)
+    assert sorted(r["id"] for r in listed) == ["r1", "r2"] and all(r["secrets"] for r in listed)
+    assert [r["id"] for r in dsc_node.runs_table(root)] != [] and ".secrets" not in [r["id"] for r in dsc_node.runs_table(root)]
+    import shutil
+    shutil.rmtree(root / "r1")
+    (root / "r3").mkdir()
+    helper("write-secrets", root / "r3", stdin=json.dumps({"WANDB_API_KEY": "k-r3"}))
+    assert sorted(p.name for p in (root / ".secrets").iterdir()) == ["r2.json", "r3.json"]
+    shutil.rmtree(root / "r2")
+    assert dsc_node.prune_secrets(root) == ["r2"]
+    assert [r["secrets"] for r in dsc_node.runs(root)] == [True]
+    os.unlink(root / ".secrets" / "r3.json")
+    os.symlink("/etc/hostname", root / ".secrets" / "r3.json")  # planted: not a secrets file
+    assert [r["secrets"] for r in dsc_node.runs(root)] == [False]

@@ -1070,3 +1070,57 @@ def test_a_training_address_is_an_ipv4_address_of_one_node(node1, needle):
     hostvars["node1"] = {k: v for k, v in hostvars["node1"].items() if v is not None}
     p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
     assert p is None and any(needle in e and "Fix:" in e for e in errors), errors
+
+
+def secrets_run(names, on=("node1", "node2")):
+    """A stopped run launched with secrets `names`, its secrets file on the nodes `on`."""
+    spec = {"preset": "zero2", "secret_names": list(names)}
+    hostvars, groups, probes = cluster(2)
+    for node in probes:
+        probes[node]["runs"] = [{"id": "r1", "mtime": 1, "started": True, "active": False,
+                                 "launch": spec, "secrets": node in on}]
+    return hostvars, groups, probes
+
+
+def test_resume_gives_the_ranks_the_runs_own_secrets_or_refuses_naming_them():
+    """Resume without dsc_secrets: the run's own (0600, beside it) reach its ranks (DSC_SECRETS
+    in the launcher's environment, which the supervisor's restarts keep); gone on a node, or
+    given again without one of them, resume refuses naming the secrets, before any change."""
+    hostvars, groups, probes = secrets_run(["WANDB_API_KEY"])
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    assert errors == [] and p["run"]["id"] == "r1" and p["run"]["env"]["DSC_SECRETS"] == "1"
+    assert p["secret_names"] == []  # nothing written anew: the run's own file is used
+    assert p["run"]["secrets_file"] == "/opt/dscluster/runs/.secrets/r1.json"
+
+    hostvars, groups, probes = secrets_run(["WANDB_API_KEY"], on=("node1",))
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    assert p is None and any(
+        "dsc_secrets: run 'r1' was launched with WANDB_API_KEY, and its secrets file "
+        "(/opt/dscluster/runs/.secrets/r1.json) is gone on node2" in e and "Fix: give dsc_secrets again" in e
+        for e in errors), errors
+
+    hostvars, groups, probes = secrets_run(["HF_TOKEN", "WANDB_API_KEY"])
+    for hv in hostvars.values():
+        hv["dsc_secrets"] = {"HF_TOKEN": "x"}
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    assert p is None and any("leaves out WANDB_API_KEY" in e and "Fix: give every one of them" in e
+                             for e in errors), errors
+    for hv in hostvars.values():
+        hv["dsc_secrets"] = {"HF_TOKEN": "x", "WANDB_API_KEY": "y"}
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    assert errors == [] and p["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"]  # written anew
+
+    hostvars, groups, probes = secrets_run([], on=())  # a run without secrets: nothing to load
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    assert errors == [] and "DSC_SECRETS" not in p["run"]["env"]
+
+
+def test_a_launch_records_its_secret_names_never_their_values():
+    p, errors = plan(dsc_secrets={"WANDB_API_KEY": "wandb-secret"}, full_run=True)
+    spec = json.loads(p["run"]["files"]["launch.json"])
+    assert spec["secret_names"] == ["WANDB_API_KEY"] and "wandb-secret" not in json.dumps(p)
+
+
+def test_the_plans_secrets_path_is_the_node_helpers():
+    helper = dsc_plan.node_helper(str(ROOT / "node" / "dsc_node.py"))
+    assert str(helper.secrets_file("/opt/dscluster/runs/r1")) == dsc_plan.secrets_path("/opt/dscluster/runs", "r1")
