@@ -476,12 +476,62 @@ def gpus():
 def probe(argv):
     """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
     run_root = argv[argv.index("--run-root") + 1] if "--run-root" in argv else ""
+    existing = argv[argv.index("--existing-python") + 1] if "--existing-python" in argv else ""
     ib = Path("/sys/class/infiniband")
     return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "gpus": gpus(),
             "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
             "runs": runs(run_root) if run_root else [],
             "run_root_links": links(run_root) if run_root else [],
-            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls()}
+            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(),
+            **({"existing_python": path_owners(existing)} if existing else {})}
+
+
+def path_owners(path):
+    """Who owns an interpreter that root may run, and who may write it: owner and mode of the
+    path and of every directory above it, as written and as resolved (a venv's bin/python is a
+    link to its base interpreter), and of the env's lib/python3* and site-packages directories
+    (what it imports). Each read with lstat (a link is reported, never followed by the read
+    itself); the resolved path is read component by component as os.path.realpath gives it.
+    {"path", "entries": [{path, uid, user, mode, kind}]} or {"path", "error"}."""
+    import glob
+    import pwd
+    if not os.path.isabs(path) or "\0" in path:
+        return {"path": path, "error": "not an absolute path"}
+    real = os.path.realpath(path)
+    if not os.path.isfile(real):
+        return {"path": path, "error": f"{real} is not a file"}
+    names = {}
+
+    def user(uid):
+        if uid not in names:
+            try:
+                names[uid] = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                names[uid] = str(uid)
+        return names[uid]
+
+    chains = []
+    for p in (os.path.normpath(path), real):
+        parts = p.split("/")[1:]
+        chains += ["/"] + ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
+    prefix = os.path.dirname(os.path.dirname(real))
+    lexical_prefix = os.path.dirname(os.path.dirname(os.path.normpath(path)))
+    for base in dict.fromkeys((lexical_prefix, prefix)):
+        for lib in sorted(glob.glob(os.path.join(glob.escape(base), "lib", "python3*")))[:8]:
+            chains += [os.path.join(base, "lib"), lib]
+            chains += sorted(glob.glob(os.path.join(glob.escape(lib), "site-packages")))
+    entries = []
+    for p in dict.fromkeys(chains):
+        try:
+            st = os.lstat(p)
+        except OSError as e:
+            entries.append({"path": p, "error": e.strerror})
+            continue
+        kind = ("link" if stat_mod.S_ISLNK(st.st_mode) else "dir" if stat_mod.S_ISDIR(st.st_mode)
+                else "file")
+        entries.append({"path": p, "uid": st.st_uid, "user": user(st.st_uid),
+                        "mode": oct(st.st_mode & 0o7777), "kind": kind})
+    return {"path": path, "entries": entries}
 
 
 def firewalls(root="/"):

@@ -352,6 +352,36 @@ def _existing_python(problems, py, where):
                      f"/usr/bin/python3).")
 
 
+def existing_owner(node, py, report):
+    """(the user that runs an existing interpreter, a problem or None), from what the probe saw
+    of it (dsc_node.path_owners): root when it, the directories above it (as written and as
+    resolved) and its lib directories are all root's and none is writable by group or others
+    (a sticky directory such as /tmp excepted); else the one other user who owns some of them
+    (it runs only as that user: root never runs what another user can change); refused when
+    one is writable by group or others, or several users own parts of it."""
+    where = f"dsc_existing_python on host {node} is {py!r}"
+    if not report or report.get("error"):
+        why = (report or {}).get("error") or "the probe did not look at it"
+        return None, (f"{where}, which is not there ({why}). Fix: the path of the interpreter "
+                      f"installed on every node, e.g. /opt/torch/.venv/bin/python.")
+    entries = [e for e in report.get("entries") or [] if "uid" in e and e.get("kind") != "link"]
+    for e in entries:
+        mode = int(str(e["mode"]), 8)
+        if mode & 0o022 and not (e.get("kind") == "dir" and mode & 0o1000):
+            who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
+            return None, (f"{where}: {e['path']} is writable by {who} (mode {oct(mode)[2:]}, owner "
+                          f"{e['user']}), so they could change what runs as root or as the env's "
+                          f"owner. Fix: chmod go-w {e['path']} (an existing env must be root's, "
+                          f"not writable by group or others, or one user's).")
+    users = sorted({e["user"] for e in entries if int(e["uid"]) != 0})
+    if len(users) > 1:
+        return None, (f"{where}: parts of it belong to {', '.join(users)} (not only root), so no "
+                      f"one user owns it to run it as, and root would run what they can change. "
+                      f"Fix: make the env and the directories above it root's (not writable by "
+                      f"group or others), or one user's: it then runs only as that user.")
+    return (users[0] if users else "root"), None
+
+
 def _check_settings(s, first, problems, check_dir):
     """What the argument spec can't say about the cluster-wide settings (its types and choices are
     checked before the plan, by the plan role's argument validation). `first` names the host whose
@@ -1551,6 +1581,24 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                                              or {}).values() for a in addrs or [])
             problems.add(f"dsc_addr on host {node['name']} is {node['addr']}, which no interface "
                          f"there holds. Fix: set dsc_addr to an address of this node ({seen}).")
+    env_owner = None
+    if s["dsc_env_manager"] == "existing" and not any(
+            m.startswith("dsc_existing_python") for m in problems.messages):
+        owners = {}
+        for node in nodes:
+            if node["reachable"]:
+                owner, problem = existing_owner(node["name"], str(s["dsc_existing_python"]),
+                                                (probes.get(node["name"]) or {}).get("existing_python"))
+                if problem:
+                    problems.add(problem)
+                else:
+                    owners.setdefault(owner, []).append(node["name"])
+        if len(owners) > 1:
+            detail = "; ".join(f"{o} on {', '.join(h)}" for o, h in owners.items())
+            problems.add(f"dsc_existing_python is {s['dsc_existing_python']!r}, owned by {detail}: it "
+                         f"runs as its owner, who must be the same on every node. Fix: the same "
+                         f"ownership everywhere (root's, or one user's).")
+        env_owner = next(iter(owners), "root")
     if problems.messages:
         if full_run:  # the run options' own problems too, all at once
             partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
@@ -1604,7 +1652,9 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         # (uv-made venvs): the pip tasks then use that interpreter's pip module.
         "pip": "" if manager == "existing" else f"{prefix}/bin/pip",
         # Who owns the env and so runs pip in it.
-        "env_owner": "root" if manager == "existing" else str(s["dsc_train_user"]),
+        # An existing interpreter: root when it is root's alone, else its one owner (it runs
+        # only as that user; see existing_owner).
+        "env_owner": env_owner if manager == "existing" else str(s["dsc_train_user"]),
         "install_packages": manager != "existing" or as_bool(s["dsc_existing_install"]),
         "manage_packages": as_bool(s["dsc_manage_packages"]),
         "train_user": str(s["dsc_train_user"]),

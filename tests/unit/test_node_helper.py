@@ -597,3 +597,37 @@ def test_a_secrets_file_is_kept_beside_its_run_goes_with_it_and_is_never_a_run(t
     os.unlink(root / ".secrets" / "r3.json")
     os.symlink("/etc/hostname", root / ".secrets" / "r3.json")  # planted: not a secrets file
     assert [r["secrets"] for r in dsc_node.runs(root)] == [False]
+
+
+def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_it(tmp_path):
+    """probe --existing-python: owner and mode of the interpreter, every directory above it as
+    written and as resolved (a venv's bin/python links to its base), and its lib directories,
+    read with lstat; the plan runs it as root only when all are root's and none is writable by
+    group or others, else as its one owner, else refuses."""
+    import dsc_plan
+    env = tmp_path / "opt" / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    for d in (tmp_path, tmp_path / "opt", env, env / "bin", env / "lib"):
+        d.chmod(0o755)
+    py = str(env / "bin" / "python")
+    out = json.loads(helper("probe", "--existing-python", py).stdout)["existing_python"]
+    paths = [e["path"] for e in out["entries"]]
+    assert paths[:1] == ["/"] and py in paths and os.path.realpath(sys.executable) in paths
+    assert str(env / "lib" / "python3.11" / "site-packages") in paths
+    assert next(e for e in out["entries"] if e["path"] == py)["kind"] == "link"
+    me = __import__("pwd").getpwuid(os.geteuid()).pw_name
+    owner, problem = dsc_plan.existing_owner("node1", py, out)
+    assert problem is None and owner == ("root" if os.geteuid() == 0 else me)
+    (env / "lib" / "python3.11" / "site-packages").chmod(0o775)
+    owner, problem = dsc_plan.existing_owner("node1", py, dsc_node.path_owners(py))
+    assert owner is None and f"{env}/lib/python3.11/site-packages is writable by group (mode 775" in problem
+    (env / "lib" / "python3.11" / "site-packages").chmod(0o755)
+    if os.geteuid() == 0:  # a user's env: run as that user only
+        import pwd
+        nobody = pwd.getpwnam("nobody")
+        for d in (env, env / "bin"):
+            os.chown(d, nobody.pw_uid, nobody.pw_gid)
+        assert dsc_plan.existing_owner("node1", py, dsc_node.path_owners(py)) == ("nobody", None)
+    assert "error" in dsc_node.path_owners(str(tmp_path / "none" / "bin" / "python"))

@@ -1046,8 +1046,58 @@ def test_system_directories_are_refused_as_roots(settings, options, needle):
     {"dsc_env_manager": "existing", "dsc_existing_python": "/opt/conda/envs/ds/bin/python"},
 ])
 def test_directories_of_their_own_under_shared_roots_are_accepted(settings):
-    p, errors = plan(**settings)
+    hostvars, groups, probes = cluster(2, **settings)
+    for pr in probes.values():
+        pr["existing_python"] = owned(settings.get("dsc_existing_python", ""))
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert errors == [], errors
+
+
+def owned(py, owners=(), mode="0o755"):
+    """What the probe reports of an interpreter (dsc_node.path_owners): each directory above it
+    root's, then the ones named in `owners` ({path: (uid, user)}), every mode `mode`."""
+    parts = py.split("/")[1:]
+    chain = ["/"] + ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
+    owners = dict(owners)
+    return {"path": py, "entries": [
+        {"path": p, "uid": owners.get(p, (0, "root"))[0], "user": owners.get(p, (0, "root"))[1],
+         "mode": mode if p != py else "0o755", "kind": "file" if p == py else "dir"} for p in chain]}
+
+
+def existing_plan(reports):
+    py = "/opt/torch/.venv/bin/python"
+    hostvars, groups, probes = cluster(2, dsc_env_manager="existing", dsc_existing_python=py)
+    for node, report in zip(probes, reports):
+        if report is not None:
+            probes[node]["existing_python"] = report
+    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+
+
+def test_an_existing_interpreter_runs_as_root_only_when_it_is_roots_alone():
+    py = "/opt/torch/.venv/bin/python"
+    p, errors = existing_plan([owned(py), owned(py)])
+    assert errors == [] and p["env_owner"] == "root"
+    users = {"/opt/torch": (1001, "dstrain"), "/opt/torch/.venv": (1001, "dstrain")}
+    p, errors = existing_plan([owned(py, users), owned(py, users)])
+    assert errors == [] and p["env_owner"] == "dstrain"  # run only as its owner, never as root
+
+
+@pytest.mark.parametrize("reports,needle", [
+    ([owned("/opt/torch/.venv/bin/python", mode="0o775")] * 2,
+     "dsc_existing_python on host node1 is '/opt/torch/.venv/bin/python': / is writable by group (mode 775, owner root)"),
+    ([owned("/opt/torch/.venv/bin/python", {"/opt/torch/.venv/bin": (0, "root")}, mode="0o757")] * 2,
+     "is writable by others (mode 757, owner root)"),
+    ([owned("/opt/torch/.venv/bin/python", {"/opt/torch": (1001, "dstrain"), "/opt/torch/.venv": (1002, "alice")})] * 2,
+     "parts of it belong to alice, dstrain (not only root)"),
+    ([{"path": "/opt/torch/.venv/bin/python", "error": "/opt/torch/.venv/bin/python is not a file"}] * 2,
+     "dsc_existing_python on host node1 is '/opt/torch/.venv/bin/python', which is not there"),
+    ([owned("/opt/torch/.venv/bin/python"), None], "node2 is '/opt/torch/.venv/bin/python', which is not there (the probe did not look at it)"),
+    ([owned("/opt/torch/.venv/bin/python"), owned("/opt/torch/.venv/bin/python", {"/opt/torch": (1001, "dstrain")})],
+     "owned by root on node1; dstrain on node2"),
+])
+def test_an_existing_interpreter_others_could_change_is_refused_saying_why(reports, needle):
+    p, errors = existing_plan(reports)
+    assert p is None and any(needle in e and "Fix:" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("node1,needle", [
