@@ -231,8 +231,9 @@ class Cluster:
         """ansible-playbook with the project's ansible.cfg against the cluster's inventory (or
         another view of the same nodes); the result carries .recap ({host: counts}), .output and
         .seconds."""
+        # dsc_timings: each task's time into $DSC_TIMINGS, where scripts/test.sh sets it.
         env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0",
-                   PATH=f"{VENV_BIN}:{os.environ['PATH']}", **(env or {}))
+                   ANSIBLE_CALLBACKS_ENABLED="dsc_timings", PATH=f"{VENV_BIN}:{os.environ['PATH']}", **(env or {}))
         t0 = time.time()
         r = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(inventory or self.inventory), name, *args],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

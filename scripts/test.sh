@@ -1,56 +1,81 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh machine: the unit tier first (tests/unit: the plan, the node
-# helper, train/config.py; seconds, no containers), then it installs what the container tier needs
-# (podman, runc, debootstrap from apt; the node image; the offline wheelhouse; a CPU
-# torch+DeepSpeed venv for train/) and runs pytest over molecule/tests against a container cluster
-# it starts itself.
-#   bash scripts/test.sh [pytest args]
+# The whole test suite, from a fresh machine, in three tiers, fastest first:
+#   unit       tests/unit: pure logic (the plan, the node helper, train/config.py); seconds, nothing installed
+#   local      tests/local: what needs no container (train/ on 2 CPU ranks here, ansible-lint)
+#   container  molecule/tests: what needs real nodes (a cluster of podman containers over SSH)
+# It installs what each tier needs just before it (the control venv; the offline wheelhouse and a
+# CPU torch+DeepSpeed venv; podman, runc and debootstrap from apt and the node images), and ends
+# with where the time went (scripts/timings.py over .cache/timings.jsonl).
+#   bash scripts/test.sh [pytest args for the container tier]
+#   DSC_TIERS="unit local" bash scripts/test.sh     # only these tiers
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CONTAINERS_CONF=$PWD/scripts/containers.conf
-echo "== control venv";   bash scripts/setup-control.sh
-echo "== unit tests (tests/unit)"
-set +e
-.venv/bin/pytest tests/unit -q -rs
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then echo "pytest collected no unit tests: that is a failure"; exit 1; fi
-if [ "$rc" -ne 0 ]; then exit "$rc"; fi
-need=()
-for tool in podman runc debootstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
-if [ ${#need[@]} -gt 0 ]; then
-  echo "== installing podman runc debootstrap openssh-client rsync"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client rsync >/dev/null
+export DSC_TIMINGS=$PWD/.cache/timings.jsonl
+tiers=${DSC_TIERS:-unit local container}
+mkdir -p .cache && rm -f "$DSC_TIMINGS"
+
+# phase NAME COMMAND...: run it and record its wall seconds.
+phase() {
+  local name=$1 t0; shift
+  t0=$(date +%s%N)
+  echo "== $name"
+  "$@"
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  printf '{"kind": "phase", "name": "%s", "seconds": %d.%03d}\n' "$name" $((ms / 1000)) $((ms % 1000)) >>"$DSC_TIMINGS"
+}
+# tier NAME PYTEST-ARGS...: pytest over one tier; collecting no test is a failure.
+tier() {
+  local name=$1 rc=0; shift
+  .venv/bin/pytest "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests in the $name tier: that is a failure"; return 1; fi
+  return "$rc"
+}
+summary() {
+  echo "== where the time went ($DSC_TIMINGS)"
+  [ -x .venv/bin/python ] && [ -f "$DSC_TIMINGS" ] && .venv/bin/python scripts/timings.py "$DSC_TIMINGS" || true
+  if [ -f .cache/test-figures.jsonl ]; then echo "== figures the tests measured"; cat .cache/test-figures.jsonl; fi
+}
+trap summary EXIT
+wants() { [[ " $tiers " == *" $1 "* ]]; }
+
+phase "control venv" bash scripts/setup-control.sh
+if wants unit; then phase "unit tier" tier unit tests/unit -q -rs; fi
+
+if wants local || wants container; then
+  phase "wheelhouse" env REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
 fi
-echo "== wheelhouse";     REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
-echo "== node image";     bash scripts/build-image.sh
-# What the tests install beside the wheelhouse, fetched here so that the tests themselves reach
-# only their own containers: DeepSpeed's source archive as PyPI has it and wheel (the index test;
-# a source build without a pyproject.toml needs wheel beside setuptools), and another version of
-# packaging than the wheelhouse's (the version-skew preflight test).
-if [ ! -d .cache/test-packages ]; then
-  echo "== test packages (.cache/test-packages)"
-  . requirements/pins.env
-  fetch() { .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d .cache/test-packages.part "$@"; }
-  fetch --no-binary :all: "deepspeed==$DEEPSPEED_VERSION"
-  fetch --only-binary :all: wheel packaging==26.3
-  mv .cache/test-packages.part .cache/test-packages
+if wants local; then
+  if [ ! -x .cache/train-venv/bin/deepspeed ]; then
+    phase "train venv (offline, from the wheelhouse)" bash -c \
+      'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
+  fi
+  phase "local tier" tier local tests/local -v -rs --durations=5
 fi
-if [ ! -x .cache/train-venv/bin/deepspeed ]; then
-  echo "== train venv (offline, from the wheelhouse)"
-  python3 -m venv .cache/train-venv
-  .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed
+
+if wants container; then
+  need=()
+  for tool in podman runc debootstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
+  if [ ${#need[@]} -gt 0 ]; then
+    phase "podman runc debootstrap openssh-client rsync (apt)" bash -c 'apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client rsync >/dev/null'
+  fi
+  phase "node images" bash scripts/build-image.sh
+  # What the tests install beside the wheelhouse, fetched here so that the tests themselves reach
+  # only their own containers: DeepSpeed's source archive as PyPI has it and wheel (the index
+  # test; a source build without a pyproject.toml needs wheel beside setuptools), and another
+  # version of packaging than the wheelhouse's (the version-skew preflight test).
+  if [ ! -d .cache/test-packages ]; then
+    fetch_test_packages() {
+      . requirements/pins.env
+      local fetch=(.venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d .cache/test-packages.part)
+      "${fetch[@]}" --no-binary :all: "deepspeed==$DEEPSPEED_VERSION"
+      "${fetch[@]}" --only-binary :all: wheel packaging==26.3
+      mv .cache/test-packages.part .cache/test-packages
+    }
+    phase "test packages (.cache/test-packages)" fetch_test_packages
+  fi
+  phase "removing what an earlier, killed run left behind" .venv/bin/python molecule/cluster.py down
+  rm -f .cache/test-figures.jsonl
+  phase "container tier" tier container molecule/tests -v -rs --durations=15 "$@"
 fi
-echo "== removing what an earlier, killed run left behind"
-.venv/bin/python molecule/cluster.py down
-echo "== tests"
-rm -f .cache/test-figures.jsonl
-set +e
-.venv/bin/pytest molecule/tests -v -rs --durations=0 --durations-min=15 "$@"
-rc=$?
-set -e
-echo "== figures the tests measured (.cache/test-figures.jsonl)"
-if [ -f .cache/test-figures.jsonl ]; then cat .cache/test-figures.jsonl; else echo "(none: no test that records figures ran)"; fi
-if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: that is a failure"; exit 1; fi
-exit "$rc"

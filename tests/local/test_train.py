@@ -1,7 +1,7 @@
 """train/ on CPU: 2 gloo ranks on this machine, started by DeepSpeed's own launcher.
 
 These need torch and DeepSpeed on the control node: the test command builds .cache/train-venv
-from the offline wheelhouse. They do not need the container cluster.
+from the offline wheelhouse (scripts/test.sh, before the local tier). They need no container.
 """
 import json
 import os

@@ -1,0 +1,31 @@
+"""Every tier's time, where it goes: each test's set-up, call and tear-down seconds appended to
+$DSC_TIMINGS (scripts/test.sh sets it; scripts/timings.py prints the slowest ten and the totals
+per tier at the end of every run). The container tier's playbooks add their own lines there
+(plugins/callback/dsc_timings.py)."""
+import json
+import os
+import time
+from pathlib import Path
+
+TIERS = {"tests/unit": "unit", "tests/local": "local", "molecule/tests": "container"}
+_seen = {}
+
+
+def _tier(nodeid):
+    return next((tier for prefix, tier in TIERS.items() if nodeid.startswith(prefix)), "other")
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("DSC_TIMINGS")
+    if not path:
+        return
+    row = _seen.setdefault(report.nodeid, {"kind": "test", "tier": _tier(report.nodeid), "test": report.nodeid})
+    row[report.when] = round(report.duration, 2)
+    if report.failed:
+        row["outcome"] = "failed"
+    if report.when == "teardown":
+        row.setdefault("outcome", "skipped" if report.skipped or "call" not in row else "passed")
+        row["end"] = round(time.time(), 1)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(_seen.pop(report.nodeid)) + "\n")
