@@ -14,6 +14,7 @@ cluster.json as ip6): the firewall is checked over both families.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -85,16 +86,19 @@ def down():
 
 # Default capabilities plus what ufw needs: no SYS_PTRACE, as on restricted real nodes (root
 # there cannot read other users' /proc/PID/environ; the toolkit must not rely on it).
-def start(name, hostname, ip, ip6, port):
-    sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
+def start(name, hostname, ip, ip6, port, image=IMAGE):
+    sh("podman", "run", "-d", "--name", name, "--hostname", hostname, "--env", f"DSC_NODE_ID={name}-{time.time_ns()}",
        "--network", NETWORK, "--ip", ip, "--ip6", ip6, "--no-hosts",
        "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW",
        "--cap-add", "AUDIT_WRITE", "--shm-size", "1g", "--init",
        # A small disk for the tests of full run roots (molecule/tests/test_faults.py).
        "--mount", "type=tmpfs,destination=/mnt/small,tmpfs-size=16m,tmpfs-mode=0755",
-       IMAGE, "/bin/sh", "-c",
-       # Per-container host keys, a hosts file the node owns (kept across a restart), then sshd
-       # as a daemon: a test can stop sshd alone, as on a real node, or the whole container.
+       image, "/bin/sh", "-c",
+       # Host keys of this container's own (those of the node an image was committed from are
+       # replaced; a restart keeps them), a hosts file the node owns (kept across a restart), then
+       # sshd as a daemon: a test can stop sshd alone, as on a real node, or the whole container.
+       '[ "$(cat /etc/ssh/.node-id 2>/dev/null)" = "$DSC_NODE_ID" ] || '
+       '{ rm -f /etc/ssh/ssh_host_*; echo "$DSC_NODE_ID" > /etc/ssh/.node-id; }; '
        f"ssh-keygen -A && (grep -q ' {hostname}$' /etc/hosts || "
        f"printf '127.0.0.1 localhost\\n{ip} {hostname}\\n' > /etc/hosts) "
        f"&& /usr/sbin/sshd -p {port} && exec sleep infinity")
@@ -125,12 +129,13 @@ def authorize(container, pub, timeout=60):
     return " ".join(r.stdout.split()[:2])
 
 
-def up(nodes):
+def up(nodes, image=IMAGE):
+    """The cluster of `nodes` nodes started from `image` (reused when one of that shape runs)."""
     if (STATE / "cluster.json").exists():
         info = json.loads((STATE / "cluster.json").read_text())
         running = set(sh("podman", "ps", "--format", "{{.Names}}").stdout.split())
         # A cluster from before the network carried IPv6 (no ip6 recorded) is made again.
-        if (info["nodes"] == nodes and all(PREFIX + n["name"] in running and n.get("ip6") for n in info["hosts"])
+        if (info["nodes"] == nodes and info.get("image") == image and all(PREFIX + n["name"] in running and n.get("ip6") for n in info["hosts"])
                 and info["outsider"].get("ip6")):
             print(f"reusing cluster of {nodes} nodes: {STATE / 'inventory'}")
             return info
@@ -143,7 +148,7 @@ def up(nodes):
     hosts = [{"name": node_name(i), "ip": node_ip(i), "ip6": node_ip6(i), "port": ssh_port(i)}
              for i in range(1, nodes + 1)]
     for h in hosts:
-        start(PREFIX + h["name"], h["name"], h["ip"], h["ip6"], h["port"])
+        start(PREFIX + h["name"], h["name"], h["ip"], h["ip6"], h["port"], image)
     start(OUTSIDER, "outsider", OUTSIDER_IP, OUTSIDER_IP6, 22)
     known = []
     for h in hosts + [{"name": "outsider", "ip": OUTSIDER_IP, "port": 22}]:
@@ -152,9 +157,52 @@ def up(nodes):
     (STATE / "known_hosts").write_text("\n".join(known) + "\n")
     write_inventory(hosts)
     wait_ssh(hosts + [{"name": "outsider", "ip": OUTSIDER_IP, "port": 22}])
-    info = {"nodes": nodes, "hosts": hosts, "outsider": {"name": OUTSIDER, "ip": OUTSIDER_IP, "ip6": OUTSIDER_IP6}}
+    info = {"nodes": nodes, "image": image, "hosts": hosts,
+            "outsider": {"name": OUTSIDER, "ip": OUTSIDER_IP, "ip6": OUTSIDER_IP6}}
     (STATE / "cluster.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+# The provisioned node image: one node of the bare image provisioned through the real
+# provision.yml (DeepSpeed's CPU ops built there once) and committed; the test cluster's nodes
+# start from it. Its tag is a digest of everything provisioning reads, so a later suite on this
+# machine reuses it until one of those changes.
+PROVISIONED_REPO = "localhost/dscluster-node"
+PROVISION_INPUTS = ("ansible.cfg", "provision.yml", "playbooks", "roles", "plugins", "node", "templates",
+                    "requirements", "tests/fixtures/scripts/requirements.txt")
+
+
+def provision_digest():
+    h = hashlib.sha256(sh("podman", "image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.encode())
+    wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
+    files = [ROOT / p for p in PROVISION_INPUTS] + [wheelhouse / "requirements.lock"]
+    for top in files:
+        for f in sorted([top] if top.is_file() else top.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                h.update(f"{f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name}\0".encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def provisioned_image():
+    """(tag, output of the provision.yml that made it): the image made now, or the one a suite
+    made before from the same inputs. Older provisioned images are removed."""
+    tag = f"{PROVISIONED_REPO}:provisioned-{provision_digest()}"
+    log = ROOT / ".cache" / f"{tag.rsplit(':', 1)[1]}.log"
+    if sh("podman", "image", "exists", tag, check=False).returncode == 0 and log.exists():
+        print(f"reusing {tag}")
+        return tag, log.read_text()
+    down()
+    builder = Cluster(up(1))
+    r = builder.playbook("provision.yml")
+    if r.returncode != 0:
+        raise RuntimeError(f"provision.yml on the image's node failed:\n{r.output[-6000:]}")
+    sh("podman", "commit", "-q", PREFIX + builder.master, tag)
+    log.write_text(r.output)
+    down()
+    old = sh("podman", "images", "--format", "{{.Repository}}:{{.Tag}}", PROVISIONED_REPO).stdout.split()
+    for other in [t for t in old if ":provisioned-" in t and t != tag]:
+        sh("podman", "rmi", "-f", other, check=False)
+    return tag, r.output
 
 
 def start_sshd(node):
@@ -202,6 +250,8 @@ dsc_torch_variant: cpu
 dsc_wheelhouse: {wheelhouse}
 # The vendored third-party scripts' packages (molecule/tests/test_own_scripts.py).
 dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.txt'}
+# A followed run polled every second: the tests' runs are seconds long (users' default: 5).
+follow_every_s: 1
 """ + extra)
 
 
@@ -231,9 +281,12 @@ class Cluster:
         """ansible-playbook with the project's ansible.cfg against the cluster's inventory (or
         another view of the same nodes); the result carries .recap ({host: counts}), .output and
         .seconds."""
-        # dsc_timings: each task's time into $DSC_TIMINGS, where scripts/test.sh sets it.
+        # dsc_timings: each task's time into $DSC_TIMINGS, where scripts/test.sh sets it. SSH's
+        # persistent connections live with the cluster's state: none outlives its nodes into the
+        # next cluster at the same addresses (the image's node, then the test cluster).
         env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0",
-                   ANSIBLE_CALLBACKS_ENABLED="dsc_timings", PATH=f"{VENV_BIN}:{os.environ['PATH']}", **(env or {}))
+                   ANSIBLE_CALLBACKS_ENABLED="dsc_timings", ANSIBLE_SSH_CONTROL_PATH_DIR=str(STATE / "cp"),
+                   PATH=f"{VENV_BIN}:{os.environ['PATH']}", **(env or {}))
         t0 = time.time()
         r = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(inventory or self.inventory), name, *args],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

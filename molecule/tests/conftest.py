@@ -19,8 +19,15 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    info = testcluster.up(int(os.environ.get("DSC_TEST_NODES", "2")))
+def node_image():
+    """(tag, output): the provisioned node image, made once from the bare image through
+    provision.yml on one node (or reused from an earlier suite while nothing it reads changed)."""
+    return testcluster.provisioned_image()
+
+
+@pytest.fixture(scope="session")
+def cluster(node_image):
+    info = testcluster.up(int(os.environ.get("DSC_TEST_NODES", "2")), image=node_image[0])
     os.environ["ANSIBLE_CONFIG"] = str(ROOT / "ansible.cfg")
     c = testcluster.Cluster(info)
     yield c
@@ -29,11 +36,14 @@ def cluster():
 
 
 @pytest.fixture(scope="session")
-def provisioned(cluster):
-    first = cluster.playbook("provision.yml")
-    assert first.returncode == 0, first.output[-5000:]
-    # A second run changing nothing is molecule's idempotence step (test_molecule.py).
-    return {"first": first}
+def provisioned(cluster, node_image):
+    """The cluster made one by provision.yml: every node from the image, then the cluster's own
+    names, SSH trust and firewall. "bare" is the image's provision from the bare image (installs,
+    DeepSpeed's ops built); "cluster" this one. Molecule's idempotence step (test_molecule.py)
+    is a further run that must change nothing."""
+    r = cluster.playbook("provision.yml")
+    assert r.returncode == 0, r.output[-5000:]
+    return {"bare": node_image[1], "cluster": r.output}
 
 
 FIGURES = Path(os.environ.get("DSC_TEST_FIGURES", ROOT / ".cache" / "test-figures.jsonl"))

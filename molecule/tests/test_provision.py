@@ -1,4 +1,7 @@
-"""provision.yml on the container cluster: what each node ends with (idempotence: test_molecule.py)."""
+"""provision.yml on the container cluster: what each node ends with (idempotence: test_molecule.py).
+The nodes start from the provisioned image (molecule/cluster.py): one node provisioned from the
+bare image through provision.yml and committed; the cluster's own provision.yml then runs on
+every node ("bare" and "cluster" in the `provisioned` fixture's outputs)."""
 import json
 import os
 import shutil
@@ -12,9 +15,9 @@ from cluster import OUTSIDER, OUTSIDER_IP, PINS, ROOT, TEST_PACKAGES, lock_pins
 
 
 def test_version_table_has_a_row_per_node(provisioned, cluster):
-    out = provisioned["first"].output
-    for name in cluster.names:
-        assert f'"{name} | 3.11' in out and f"| {PINS['TORCH_VERSION']}+cpu | cpu | {PINS['DEEPSPEED_VERSION']} |" in out
+    for out, nodes in ((provisioned["bare"], cluster.names[:1]), (provisioned["cluster"], cluster.names)):
+        for name in nodes:
+            assert f'"{name} | 3.11' in out and f"| {PINS['TORCH_VERSION']}+cpu | cpu | {PINS['DEEPSPEED_VERSION']} |" in out
 
 
 def test_env_is_identical_and_owned_by_the_training_user(provisioned, cluster):
@@ -39,6 +42,11 @@ def test_ds_report_kept_and_jit_cache_warm(provisioned, cluster):
         so = host.run("find /opt/dscluster/cache/torch_extensions -name '*.so'").stdout.split()
         assert any("shm_comm" in p for p in so), so
         assert any("fused_adam" in p for p in so), so
+    # Built once, on the image's node; the cluster's provision found them built on every node.
+    warm = "TASK [deepspeed : Warm the JIT op cache"
+    assert f"changed: [{cluster.master}]" in provisioned["bare"].split(warm)[1].split("TASK [")[0]
+    task = provisioned["cluster"].split(warm)[1].split("TASK [")[0]
+    assert all(f"ok: [{n}]" in task for n in cluster.names) and "changed:" not in task, task
 
 
 def test_base_packages_installed(provisioned, cluster):
