@@ -67,17 +67,22 @@ ATTENTIONS = ("sdpa", "eager")
 
 def model_shape(layers: int, hidden: int, heads: int, vocab: int, seq_len: int, *, tied: bool = False,
                 params: int | None = None, largest_layer_params: int | None = None,
-                largest_param: int | None = None) -> dict:
+                largest_param: int | None = None, intermediate: int | None = None, gated: bool = False,
+                positions: bool = True) -> dict:
     """The shape the prediction needs. Parameter counts default to train/model.py's Transformer:
     token and learned position embeddings, blocks of qkv/proj/fc/out without bias and two
-    LayerNorms, a final LayerNorm and an untied output layer (tied=True drops it)."""
-    per_layer = 12 * hidden * hidden + 4 * hidden
+    LayerNorms, a final LayerNorm and an untied output layer (tied=True drops it).
+    intermediate: the MLP's width (default 4 x hidden); gated: a gated MLP (Llama's SwiGLU: gate,
+    up and down projections); positions=False: no learned position embedding (rotary)."""
+    inner = int(intermediate) if intermediate else 4 * hidden
+    per_layer = 4 * hidden * hidden + (3 if gated else 2) * hidden * inner + 4 * hidden
     if params is None:
-        params = vocab * hidden + seq_len * hidden + layers * per_layer + 2 * hidden
+        params = vocab * hidden + (seq_len * hidden if positions else 0) + layers * per_layer + 2 * hidden
         params += 0 if tied else vocab * hidden
-    biggest = max(vocab * hidden, seq_len * hidden, 4 * hidden * hidden)
+    biggest = max(vocab * hidden, seq_len * hidden if positions else 0, 4 * hidden * hidden, hidden * inner)
     return {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq_len,
-            "tied": tied, "params": int(params), "layer_params": per_layer,
+            "tied": tied, "intermediate": inner, "gated": bool(gated),
+            "params": int(params), "layer_params": per_layer,
             # DeepSpeed's model_to_params: the module with the most parameters of its own.
             "largest_layer_params": int(largest_layer_params if largest_layer_params is not None else biggest),
             # the largest single tensor (ZeRO-1/2 offload's GPU staging buffer is this big).
@@ -178,7 +183,8 @@ def zero_settings(preset) -> dict:
 # --- activations ---------------------------------------------------------------------------------
 
 def activation_bytes(shape: dict, micro_batch: int, precision: str = "bf16", attention: str = "sdpa",
-                     checkpointing: bool = False, dropout: bool = False) -> dict:
+                     checkpointing: bool = False, dropout: bool = False,
+                     attention_dropout: bool | None = None) -> dict:
     """Bytes saved for backward at the end of the forward (logits apart).
 
     Per block (train/model.py's Block), in elements of s*b*h: the block input (LayerNorm 1's
@@ -191,15 +197,23 @@ def activation_bytes(shape: dict, micro_batch: int, precision: str = "bf16", att
     in 16-bit, their 5*a*s/h term); scaled_dot_product_attention ("sdpa": flash, memory-efficient
     or cuDNN kernels) keeps only a fp32 log-sum-exp per row. Small fp32 terms: two LayerNorms'
     mean and rstd per token. With activation checkpointing (each block, non-reentrant), a block
-    keeps only its input, and one block at a time is recomputed in the backward."""
+    keeps only its input, and one block at a time is recomputed in the backward.
+    A MLP of another width (shape's intermediate I) saves 2*I/h elements (fc's and GELU's
+    outputs), a gated one 4*I/h (gate, up, the activation and their product) in place of the 8.
+    attention_dropout (default: dropout) is the dropout on the attention probabilities apart from
+    the residual ones (HF's attn_pdrop against resid_pdrop)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTIONS)}")
     p = PRECISION_BYTES[precision]
     s, b, h, a, L = shape["seq_len"], micro_batch, shape["hidden"], shape["heads"], shape["layers"]
     sbh = s * b * h
-    per_layer = 16 * p * sbh + (2 * sbh if dropout else 0) + 16 * s * b
+    inner = shape.get("intermediate") or 4 * h
+    mlp = 4 * inner if shape.get("gated") else 2 * inner
+    per_layer = (8 * h + mlp) * p * s * b + (2 * sbh if dropout else 0) + 16 * s * b
+    if attention_dropout is None:
+        attention_dropout = dropout
     if attention == "eager":
-        per_layer += a * s * s * b * ((2 * p + 1) if dropout else p)
+        per_layer += a * s * s * b * ((2 * p + 1) if attention_dropout else p)
     else:
         per_layer += 4 * a * s * b
     stored = L * p * sbh if checkpointing else L * per_layer
@@ -225,7 +239,7 @@ def logits_bytes(shape: dict, micro_batch: int, precision: str = "bf16", logits_
 def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: int, *,
             precision: str = "bf16", attention: str = "sdpa", activation_checkpointing: bool = False,
             dropout: bool = False, logits_fp32: bool = True, overhead: int = OVERHEAD_BYTES,
-            grad_accum: int | None = None) -> dict:
+            grad_accum: int | None = None, attention_dropout: bool | None = None) -> dict:
     """Peak torch.cuda.max_memory_allocated() per GPU of a training step, with its parts.
 
     shape: model_shape(...); preset: a preset name or the merged ds_config; world: ranks in all;
@@ -244,7 +258,8 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
     fp32_grad = 4 if mixed else 0             # the fp32 gradient partition built for the step
     est = model_states(N, shape["largest_layer_params"], z["stage"], z["offload_optimizer"],
                        z["offload_param"], gpus_per_node, nodes)
-    act = activation_bytes(shape, micro_batch, precision, attention, activation_checkpointing, dropout)
+    act = activation_bytes(shape, micro_batch, precision, attention, activation_checkpointing, dropout,
+                           attention_dropout)
     logits = logits_bytes(shape, micro_batch, precision, logits_fp32)
     buckets = (2 if z["overlap_comm"] else 1) * p * z["reduce_bucket_size"] if z["contiguous_gradients"] else 0
     stage, off_opt, off_par = z["stage"], z["offload_optimizer"], z["offload_param"]
@@ -352,7 +367,9 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
             "inputs": {"preset": preset if isinstance(preset, str) else "ds_config", "zero": z,
                        "micro_batch": micro_batch, "grad_accum": grad_accum, "world": world, "gpus_per_node": gpus_per_node,
                        "precision": precision, "attention": attention,
-                       "activation_checkpointing": ckpt, "dropout": dropout, "logits_fp32": logits_fp32,
+                       "activation_checkpointing": ckpt, "dropout": dropout,
+                       "attention_dropout": dropout if attention_dropout is None else attention_dropout,
+                       "logits_fp32": logits_fp32,
                        "shape": dict(shape)}}
 
 

@@ -286,3 +286,22 @@ def test_accumulation_is_read_from_a_ds_config_and_absent_without_it():
     assert with_accum["parts"]["accumulation"] == 2 * gpt13()["params"] // 2
     assert M.predict(gpt13(), "zero2", 16, 2, 2)["parts"]["accumulation"] == 0
     assert with_accum["total"] - M.predict(gpt13(), "zero2", 16, 2, 2)["total"] == with_accum["parts"]["accumulation"]
+
+
+def test_a_gated_mlp_and_attention_dropout_apart_from_the_residual_one():
+    """A MLP of width I saves 2*I/h elements per token (a gated one 4*I/h); the default 4h MLP is
+    the measured 16; the eager probabilities' dropout (mask and copy) follows attention_dropout."""
+    import dsc_memory
+    base = dsc_memory.model_shape(4, 256, 4, 1000, 128)
+    gated = dsc_memory.model_shape(4, 256, 4, 1000, 128, intermediate=512, gated=True)
+    sbh = 128 * 2 * 256
+    a = dsc_memory.activation_bytes(base, 2)["per_layer"]
+    g = dsc_memory.activation_bytes(gated, 2)["per_layer"]
+    assert a - g == (16 - (8 + 4 * 512 // 256)) * 2 * sbh == 0  # 4*512/256 = 8: the same count
+    wide = dsc_memory.model_shape(4, 256, 4, 1000, 128, intermediate=1024, gated=True)
+    assert dsc_memory.activation_bytes(wide, 2)["per_layer"] - a == 8 * 2 * sbh
+    probs = 4 * 128 * 128 * 2
+    eager = dsc_memory.activation_bytes(base, 2, attention="eager", dropout=True)["per_layer"]
+    no_attn = dsc_memory.activation_bytes(base, 2, attention="eager", dropout=True,
+                                          attention_dropout=False)["per_layer"]
+    assert eager - no_attn == probs * 3  # the mask (1 B) and the dropped-out copy (2 B)

@@ -898,7 +898,8 @@ def test_preset_auto_needs_gpus_and_a_users_script_needs_its_models_shape():
     p, errors = auto_plan(143771, dict(script, dsc_model_shape=shape))
     assert errors == [] and p["run"]["preset"] == "zero1", errors
     p, errors = auto_plan(143771, dict(script, dsc_model_shape={"layers": 12}))
-    assert any(e.startswith("dsc_model_shape is {'layers': 12}") for e in errors), errors
+    assert any("needs the model's shape (dsc_model_shape gives no hidden, heads, vocab, seq_len)" in e
+               for e in errors), errors
 
 
 # A valid value of each setting and run option, to which a control character is added.
@@ -1174,3 +1175,183 @@ def test_a_launch_records_its_secret_names_never_their_values():
 def test_the_plans_secrets_path_is_the_node_helpers():
     helper = dsc_plan.node_helper(str(ROOT / "node" / "dsc_node.py"))
     assert str(helper.secrets_file("/opt/dscluster/runs/r1")) == dsc_plan.secrets_path("/opt/dscluster/runs", "r1")
+
+
+GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 24, "n_embd": 2048,
+               "n_head": 16, "n_positions": 2048, "vocab_size": 50257, "attn_pdrop": 0.1, "resid_pdrop": 0.1,
+               "embd_pdrop": 0.1, "n_inner": None, "torch_dtype": "float32"}
+
+
+def users_code(tmp_path, config=None):
+    code = tmp_path / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text("print('train')\n")
+    if config is not None:
+        (code / "config.json").write_text(json.dumps(config))
+    return {"preset": "auto", "dsc_code_dir": str(code), "dsc_entry_script": "train.py", "dsc_train_batch": 32}
+
+
+def test_preset_auto_reads_the_models_config_json_and_says_what_it_assumed(tmp_path):
+    """The issue's model (GPT2LMHeadModel from a config, one H200, a batch of 32): config.json
+    alone gives the shape; with no attn_implementation it assumes eager and says so; dropout,
+    tied embeddings and the longest sequence are read from it; dsc_model_shape keys override."""
+    p, errors = auto_plan(143771, users_code(tmp_path, GPT2_CONFIG))
+    assert errors == [], errors
+    lines = p["run"]["auto"]
+    model = next(line for line in lines if line.startswith("  model ("))
+    assert "config.json): 24 layers, hidden 2048, 16 heads, vocab 50257, seq_len 2048, attention eager, " \
+           "dropout on, logits fp32, tied embeddings" in model, lines
+    assert any(line.startswith("  assumed: attention eager (config.json names no attn_implementation") for line in lines)
+    assert any("seq_len 2048 from config.json's n_positions" in line for line in lines)
+    eager_mb = p["run"]["batch"]["micro_batch"]
+    # eager attention with its dropout: 4 sequences, where sdpa's prediction took 16 (and ran out of memory)
+    assert eager_mb == 4, lines
+    # told sdpa and no dropout (the config names them): the larger micro-batch, nothing assumed there
+    p, errors = auto_plan(143771, users_code(tmp_path, dict(GPT2_CONFIG, _attn_implementation="sdpa",
+                                                            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)))
+    assert errors == [] and p["run"]["batch"]["micro_batch"] == 16, p["run"]["auto"]
+    assert not any("assumed: attention" in line for line in p["run"]["auto"])
+    # dsc_model_shape over config.json: eager without dropout, as the issue's run measured (78.56 GiB at
+    # zero2 micro-batch 8; predicted here within 1 %)
+    opts = dict(users_code(tmp_path, GPT2_CONFIG), dsc_model_shape={"dropout": 0}, dsc_micro_batch=8, preset="auto")
+    p, errors = auto_plan(143771, opts)
+    assert errors == [], errors
+    memory = json.loads(p["run"]["files"]["memory.json"])
+    assert memory["micro_batch"] == 8 and 77.5 * 2**30 < memory["predicted"] < 80 * 2**30, memory
+    # an untied output layer counts its own weights
+    untied = json.loads(auto_plan(143771, dict(opts, dsc_model_shape={"dropout": 0, "tied": False}))[0]["run"]
+                        ["files"]["memory.json"])
+    assert untied["predicted"] > memory["predicted"]
+
+
+def test_a_llama_config_gives_a_gated_mlp_and_no_position_embedding(tmp_path):
+    import dsc_memory
+    values, notes = dsc_memory.hf_config_shape({
+        "model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
+        "intermediate_size": 8192, "max_position_embeddings": 4096, "vocab_size": 128256,
+        "attention_dropout": 0.0, "tie_word_embeddings": False, "attn_implementation": "flash_attention_2"})
+    assert values == {"layers": 16, "hidden": 2048, "heads": 32, "vocab": 128256, "seq_len": 4096,
+                      "intermediate": 8192, "gated": True, "positions": False, "tied": False,
+                      "attention": "sdpa", "attention_dropout": False, "logits": "fp32"}
+    assert any("max_position_embeddings" in n for n in notes)
+    shape = dsc_memory.model_shape(16, 2048, 32, 128256, 4096, tied=False, intermediate=8192, gated=True,
+                                   positions=False)
+    assert shape["params"] == 2 * 128256 * 2048 + 16 * (4 * 2048 ** 2 + 3 * 2048 * 8192 + 4 * 2048) + 2 * 2048
+    # a config.json without a model size is not a model's (another program's settings)
+    p, errors = auto_plan(143771, users_code(tmp_path, {"lr": 0.1}))
+    assert any("preset=auto for train.py needs the model's shape" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("given,said", [
+    ({"layers": 2, "hidden": 64, "heads": 2, "vocab": 100, "seq_len": 64, "attention": "xformers"}, "bad values for ['attention']"),
+    ({"layers": 2, "hidden": 64, "heads": 2, "vocab": 100, "seq_len": 64, "dropout": 1.5}, "bad values for ['dropout']"),
+    ({"layers": 2, "hidden": 64, "heads": 2, "vocab": 100, "seq_len": 64, "window": 4}, "unknown keys ['window']"),
+    ({"config": "nope/config.json"}, "dsc_model_shape.config is 'nope/config.json', which is not a file"),
+])
+def test_dsc_model_shape_refuses_unknown_keys_and_bad_values_naming_them(tmp_path, given, said):
+    p, errors = auto_plan(143771, dict(users_code(tmp_path), dsc_model_shape=given))
+    assert any(said in e and "Fix:" in e for e in errors), errors
+
+
+def test_a_shape_without_attention_or_dropout_assumes_the_larger_and_says_so(tmp_path):
+    shape = {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq_len": 1024}
+    p, errors = auto_plan(143771, dict(users_code(tmp_path), dsc_model_shape=shape))
+    assert errors == [], errors
+    assumed = [line for line in p["run"]["auto"] if line.startswith("  assumed: ")]
+    assert [a.split(" (")[0].split(": ")[1] for a in assumed] == \
+        ["attention eager", "dropout on", "logits fp32 in the loss", "untied embeddings"]
+    told = dict(shape, attention="flash", dropout=0, logits="bf16", tied=True)
+    p, errors = auto_plan(143771, dict(users_code(tmp_path), dsc_model_shape=told))
+    assert errors == [] and not any(line.startswith("  assumed: ") for line in p["run"]["auto"])
+
+
+def test_preset_auto_writes_its_step_down_ladder_each_step_smaller_by_the_failed_ones_error(tmp_path):
+    """auto.json: the chosen configuration first, then each next candidate of auto's own order
+    predicted to fit even when off by as much as the failed one must have been; each with its
+    ds_config and batch (the global batch kept); the steps are said in auto's lines."""
+    shape = dict(GPT2_CONFIG, _attn_implementation="sdpa", attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    p, errors = auto_plan(143771, users_code(tmp_path, shape))
+    assert errors == [], errors
+    steps = json.loads(p["run"]["files"]["auto.json"])
+    ladder = steps["ladder"]
+    assert steps["index"] == 0 and (ladder[0]["preset"], ladder[0]["micro_batch"]) == ("zero1", 16)
+    room = 143771
+    for a, b in zip(ladder, ladder[1:]):
+        assert b["predicted"] <= a["predicted"] * (room - 1536) / 1.3 / room
+    for step in ladder:
+        cfg = step["ds_config"]
+        assert cfg["train_micro_batch_size_per_gpu"] == step["micro_batch"]
+        assert cfg["train_batch_size"] == 32 == step["micro_batch"] * step["grad_accum"]
+        assert cfg["zero_optimization"]["stage"] == int(step["preset"][4])
+    assert ladder[0]["ds_config"] == json.loads(p["run"]["files"]["ds_config.json"])
+    said = next(line for line in p["run"]["auto"] if "steps down to" in line)
+    assert said.endswith(", then ".join(f"{s['preset']} micro-batch {s['micro_batch']}" for s in ladder[1:]))
+    # a micro-batch the user named is never changed: the ladder changes the preset only
+    p, errors = auto_plan(143771, dict(users_code(tmp_path, shape), dsc_micro_batch=16))
+    assert errors == []
+    named = json.loads(p["run"]["files"].get("auto.json", '{"ladder": []}'))["ladder"]
+    assert all(s["micro_batch"] == 16 for s in named)
+    # a named preset has no ladder
+    p, errors = auto_plan(143771, dict(users_code(tmp_path, shape), preset="zero2"))
+    assert errors == [] and "auto.json" not in p["run"]["files"] and "memory.json" in p["run"]["files"]
+
+
+def test_no_step_down_where_the_launchers_run_apart_and_said_so(tmp_path):
+    shape = dict(GPT2_CONFIG, _attn_implementation="sdpa", attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    hostvars, groups, probes = gpus_of(143771, n=2)
+    for hv in hostvars.values():
+        hv["dsc_launch_mode"] = "no_ssh"
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, dict(DEFAULTS, dsc_launch_mode="no_ssh"), PATHS,
+                                   users_code(tmp_path, shape), now="20261130-000000", full_run=True)
+    assert errors == [], errors
+    assert "auto.json" not in p["run"]["files"]
+    assert any("no step down after an out-of-memory error: dsc_launch_mode no_ssh" in line for line in p["run"]["auto"])
+
+
+def test_a_measured_peak_over_the_prediction_scales_a_later_auto_of_the_same_code_and_model(tmp_path):
+    """A run's record on a node (the probe's runs: memory, from its memory.json and the ranks'
+    measured peaks) with the same key: a later preset=auto uses the measured figure for the
+    same configuration and scales the others by its ratio; a changed model (another key) not."""
+    opts = dict(users_code(tmp_path, GPT2_CONFIG), dsc_model_shape={"attention": "sdpa", "dropout": 0})
+    first, errors = auto_plan(143771, opts)
+    assert errors == [] and (first["run"]["preset"], first["run"]["batch"]["micro_batch"]) == ("zero1", 16)
+    memory = json.loads(first["run"]["files"]["memory.json"])
+    measured = int(memory["predicted"] * 1.44)  # eager ran, not sdpa
+    record = dict(memory, measured=measured, ratio=round(measured / memory["predicted"], 3))
+    hostvars, groups, probes = gpus_of(143771)
+    probes["node1"]["runs"] = [{"id": "zero1-earlier", "mtime": 1.0, "started": True, "active": False,
+                                "finished": False, "launch": {}, "memory": record}]
+    later, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts,
+                                       now="20261130-000001", full_run=True)
+    assert errors == [], errors
+    lines = later["run"]["auto"]
+    assert later["run"]["batch"]["micro_batch"] < 16, lines
+    assert "scaled by the measured x1.44" in lines[0], lines
+    assert any(line.startswith("  measured before (run zero1-earlier on node1, zero1 micro-batch 16): ")
+               for line in lines), lines
+    assert any(line.startswith("  no room: zero1 micro-batch 16: predicted ") and ", measured " in line
+               for line in lines), lines
+    # within 5 % the model is trusted; another model (a corrected shape) has another key
+    probes["node1"]["runs"][0]["memory"] = dict(record, ratio=1.03, measured=int(memory["predicted"] * 1.03))
+    again, _ = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts, now="20261130-000002", full_run=True)
+    assert again["run"]["batch"]["micro_batch"] == 16
+    probes["node1"]["runs"][0]["memory"] = record
+    other = dict(opts, dsc_model_shape={"attention": "eager", "dropout": 0})
+    fixed, _ = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, other, now="20261130-000003", full_run=True)
+    assert not any("measured before" in line or "x1.44" in line for line in fixed["run"]["auto"])
+
+
+def test_preset_auto_on_cpu_nodes_plans_for_the_memory_it_is_given(tmp_path):
+    shape = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257, "seq_len": 2048, "attention": "sdpa",
+             "dropout": 0, "tied": True}
+    opts = dict(users_code(tmp_path), dsc_model_shape=shape, dsc_train_batch=64)
+    p, errors = plan(options=opts, full_run=True)
+    assert any("(-e dsc_auto_memory_gib=N" in e for e in errors), errors
+    p, errors = plan(options=dict(opts, dsc_auto_memory_gib=300), full_run=True)
+    assert errors == [], errors
+    assert "within dsc_auto_memory_gib: 300.0 GiB" in p["run"]["auto"][0], p["run"]["auto"]
+    ladder = json.loads(p["run"]["files"]["auto.json"])["ladder"]
+    assert len(ladder) > 1 and not any("offload" in s["preset"] for s in ladder)
+    assert "memory.json" not in p["run"]["files"]  # nothing measures a CPU rank's peak
+    p, errors = plan(options=dict(opts, dsc_auto_memory_gib="lots"), full_run=True)
+    assert any(e.startswith("dsc_auto_memory_gib is 'lots'. Fix:") for e in errors), errors
