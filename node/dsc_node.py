@@ -26,6 +26,7 @@ module pushes it). Every command prints one JSON object.
                                               # state, ranks alive, last metrics, first error
                                               # (with --hosts: every node's state, via pdsh)
     dsc_node.py write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
+    dsc_node.py step-down RUN_DIR INDEX       # preset=auto's ladder step INDEX becomes the run's config
     dsc_node.py files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
     dsc_node.py log RUN_DIR RUN_ID [--lines N] [--hosts H1,H2]
                                               # the log's last N lines per node, its raw tail, the state
@@ -89,6 +90,10 @@ class RunDir:
     STALLED = "stalled.json"      # no step for the stall time (removed when steps come again)
     RANKS_STARTED = "ranks.started"  # a rank started on this node (the entry shim)
     LOCK = ".launch.lock"         # in the run root: one launch at a time
+    MEMORY = "memory.json"        # the plan's predicted peak per GPU (and preset=auto's key)
+    MEASURED = "memory.jsonl"     # each rank's max_memory_allocated after its first steps (entry)
+    AUTO = "auto.json"            # preset=auto's step-down ladder and the step that runs
+    STEP_DOWNS = "step_downs.jsonl"  # each out-of-memory step down: the attempt, its cause, the next
 
     def __init__(self, path):
         self.path = Path(path)
@@ -168,8 +173,15 @@ class EngineWatch:
     Applied when deepspeed.runtime.engine is imported (AfterImport), whoever imports it (the
     script, HF's Trainer, accelerate)."""
 
-    def __init__(self, path, every=2.0):
+    MEASURE_STEPS = 3  # each rank's peak is recorded after each of its first optimizer steps
+
+    def __init__(self, path, every=2.0, measured=None):
         self.path, self.every = Path(path), every
+        self.measured = Path(measured) if measured else None
+        try:
+            self.config = json.loads((self.path.parent / RunDir.MEMORY).read_text())
+        except (OSError, ValueError):
+            self.config = {}
         self.loss, self.micro = None, 0
         self.step = self.written_step = 0
         self.time, self.samples = time.time(), 0
@@ -191,6 +203,8 @@ class EngineWatch:
 
         def watched_step(engine, *args, **kwargs):
             out = step(engine, *args, **kwargs)
+            if hook.measured and 0 < engine.global_steps <= hook.MEASURE_STEPS:
+                hook.record_peak(engine)
             if engine.global_rank == 0 and engine.global_steps != hook.step:
                 hook.step, hook.engine = engine.global_steps, engine
                 if time.time() - hook.time >= hook.every or hook.written_step == 0:
@@ -208,6 +222,22 @@ class EngineWatch:
         import atexit
         atexit.register(lambda: self.step != self.written_step and self.write())
 
+    def record_peak(self, engine):
+        """This rank's torch.cuda.max_memory_allocated() so far, a line of memory.jsonl with the
+        configuration it ran (memory.json's preset and micro-batch); nothing off the GPU."""
+        peak = peak_allocated(engine)
+        if peak is None:
+            return
+        line = {"rank": int(getattr(engine, "global_rank", 0)), "host": socket.gethostname(),
+                "step": int(engine.global_steps), "max_allocated": int(peak),
+                "preset": self.config.get("preset"), "micro_batch": self.config.get("micro_batch"),
+                "time": round(time.time(), 3)}
+        try:
+            with open(self.measured, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:
+            pass
+
     def write(self):
         engine, now = self.engine, time.time()
         try:
@@ -224,6 +254,52 @@ class EngineWatch:
             f.write(json.dumps(line) + "\n")
         self.loss, self.micro, self.written_step = None, 0, self.step
         self.time, self.samples = now, samples
+
+
+def peak_allocated(engine):
+    """torch.cuda.max_memory_allocated() of the engine's device, None off CUDA."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.max_memory_allocated(getattr(engine, "device", None)))
+    except Exception:  # noqa: BLE001 - a record, never a rank's failure
+        return None
+
+
+def memory_summary(run_dir):
+    """The run's predicted peak per GPU (memory.json) against its ranks' measured ones on this node
+    (memory.jsonl, those of the configuration memory.json names now): predicted, measured (the
+    largest rank's), ratio, over (by more than the tolerance, 5 %) and a line that says so; None
+    where neither is there."""
+    run = RunDir(run_dir)
+    predicted = read_json(run / RunDir.MEMORY) or {}
+    peaks = {}
+    try:
+        for text in (run / RunDir.MEASURED).read_text().splitlines():
+            try:
+                m = json.loads(text)
+            except ValueError:
+                continue
+            if predicted and (m.get("preset"), m.get("micro_batch")) != (predicted.get("preset"), predicted.get("micro_batch")):
+                continue  # an earlier step of the ladder's
+            peaks[m.get("rank")] = max(peaks.get(m.get("rank"), 0), int(m.get("max_allocated") or 0))
+    except OSError:
+        pass
+    if not predicted and not peaks:
+        return None
+    out = {k: predicted.get(k) for k in ("key", "preset", "micro_batch", "world", "predicted")}
+    measured = max(peaks.values()) if peaks else None
+    out.update(measured=measured, ranks=len(peaks), ratio=None, over=False, note=None)
+    if measured and predicted.get("predicted"):
+        ratio = measured / predicted["predicted"]
+        out["ratio"] = round(ratio, 3)
+        out["over"] = ratio > float(predicted.get("tolerance", 1.05))
+        out["note"] = (f"measured {measured / 2**30:.2f} GiB per GPU against the predicted "
+                       f"{predicted['predicted'] / 2**30:.2f} GiB (x{ratio:.2f})"
+                       + (f": over the prediction by {100 * (ratio - 1):.0f} %; a later preset=auto of the "
+                          f"same code and model uses the measured figure" if out["over"] else ""))
+    return out
 
 
 class AfterImport:
@@ -288,7 +364,8 @@ def entry(args, local_rank=()):
                              f"writes them anew on every node).")
     patches = {"accelerate.state": accelerate_on_cpu}
     if run_dir:
-        patches["deepspeed.runtime.engine"] = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS)
+        patches["deepspeed.runtime.engine"] = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS,
+                                                          measured=RunDir(run_dir) / RunDir.MEASURED)
         (RunDir(run_dir) / RunDir.RANKS_STARTED).touch()
     sys.meta_path.insert(0, AfterImport(patches))
     import runpy
@@ -445,6 +522,7 @@ def runs(run_root):
         out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,
                     "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID)),
                     "finished": finished, "launch": read_json(d / RunDir.LAUNCH),
+                    "memory": memory_summary(e.path),
                     "secrets": has_secrets(e.path)})
     return sorted(out, key=lambda r: r["mtime"], reverse=True)
 
@@ -875,6 +953,10 @@ SSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
 # A stall is the supervisor's own verdict, taken only while no other failure was seen: what its
 # teardown then causes (lost sessions, killed ranks) is not the cause.
 CAUSE_ORDER = {"stall": -1, "signal": 0, "lost": 1, "exit": 2}
+# An out-of-memory error as a rank prints it (torch.OutOfMemoryError, "CUDA out of memory").
+OUT_OF_MEMORY = re.compile(r"(OutOfMemoryError|CUDA out of memory)")
+# preset=auto steps down only while the run has made no more optimizer steps than this.
+FIRST_STEPS = EngineWatch.MEASURE_STEPS
 ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code = [1-9]|"
                         r"was not reachable|Address already in use)")
 
@@ -1077,7 +1159,17 @@ def status(run_dir, run_id):
             "launcher_pid": launcher, "ranks_alive": ranks,
             "processes": len(ps), "last": last, "restarts": int(restarts),
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
-            "first_error": error, "traceback": trace}
+            "first_error": error, "traceback": trace, "memory": memory_summary(run_dir),
+            "step_downs": step_downs(run_dir)}
+
+
+def step_downs(run_dir):
+    """preset=auto's out-of-memory steps down so far: each failed attempt's configuration and
+    cause, and the configuration it stepped down to."""
+    try:
+        return [json.loads(x) for x in (RunDir(run_dir) / RunDir.STEP_DOWNS).read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return []
 
 
 def size_of(path):
@@ -1251,11 +1343,13 @@ class Stall:
         return record
 
 
-def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None):
+def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
     """Wait for the launcher; when a node fails and the run has not ended grace seconds later
     (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere. A
     stall (`stall`: {timeout_s, fail}) is marked in the run directory, and with fail it ends the
-    attempt as a failure (teardown, then a restart when max_restarts allows)."""
+    attempt as a failure (teardown, then a restart when max_restarts allows). `seen` (a dict) gets
+    the attempt's first out-of-memory line ("oom")."""
+    seen = {} if seen is None else seen
     log = run / RunDir.LOG
     events, deadline, torn = [], None, None
     stall = stall or {}
@@ -1268,6 +1362,8 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None):
         done = chunk.rfind("\n") + 1
         pos += len(chunk[:done].encode(errors="replace"))
         for line in chunk[:done].splitlines():
+            if "oom" not in seen and OUT_OF_MEMORY.search(line):
+                seen["oom"] = line.strip()[:400]
             ev = failure_event(line)
             if ev:
                 ev["time"] = time.time()
@@ -1439,11 +1535,21 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
                     json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
         child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
-        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall)
+        seen = {}
+        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen)
         if cause:
             best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
                 cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
-        if code == 0 or (run / RunDir.STOPPED).exists() or restarts >= max_restarts:
+        if code == 0 or (run / RunDir.STOPPED).exists():
+            break
+        down = step_down(run, hosts, seen.get("oom"), code)
+        if down:  # preset=auto: the next configuration of its ladder, from the start
+            teardown(run_id, list(hosts))
+            if (run / RunDir.STOPPED).exists():
+                break
+            attempt = list(cmd)
+            continue
+        if restarts >= max_restarts:
             break
         restarts += 1
         wait = min(backoff * 2 ** (restarts - 1), 600.0)
@@ -1463,6 +1569,56 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)
     os._exit(0)
+
+
+def run_steps(run):
+    """The latest optimizer step the run has logged (train.run's metrics, any script's progress),
+    or None."""
+    steps = [(last_line(run / name) or {}).get("step") for name in (RunDir.METRICS, RunDir.PROGRESS)]
+    steps = [x for x in steps if isinstance(x, int)]
+    return max(steps) if steps else None
+
+
+def step_down(run, hosts, oom, code):
+    """preset=auto's answer to an out-of-memory error in the first steps (none past FIRST_STEPS):
+    the next step of auto.json's ladder on every node (step-down), recorded in step_downs.jsonl
+    and said in the log; False where it does not apply (no ladder, the ladder spent, another
+    error, a run that already trained)."""
+    ladder = read_json(run / RunDir.AUTO) or {}
+    steps, index = ladder.get("ladder") or [], int(ladder.get("index", 0))
+    at = run_steps(run)
+    if not oom or index + 1 >= len(steps) or (at is not None and at > FIRST_STEPS):
+        return False
+    was, nxt = steps[index], steps[index + 1]
+    record = {"attempt": index + 1, "time": round(time.time(), 3), "exit_code": code, "at_step": at,
+              "preset": was["preset"], "micro_batch": was["micro_batch"], "cause": oom,
+              "next": {k: nxt[k] for k in ("preset", "micro_batch", "grad_accum")}}
+    best_effort(append_line, run / RunDir.STEP_DOWNS, json.dumps(record))
+    print(f"[dsc_node] out of memory in the first steps at {was['preset']} micro-batch "
+          f"{was['micro_batch']}: stepping down to {nxt['preset']} micro-batch {nxt['micro_batch']} "
+          f"(step {index + 1} of {len(steps) - 1} of preset=auto's ladder)", flush=True)
+    apply_step(run.path, index + 1)
+    on_others(hosts, "step-down", str(run.path), str(index + 1))
+    return True
+
+
+def apply_step(run_dir, index):
+    """The ladder's step `index` becomes the run's configuration on this node: ds_config.json,
+    memory.json's prediction and launch.json's preset and micro-batch (what resume starts)."""
+    run = RunDir(run_dir)
+    ladder = read_json(run / RunDir.AUTO) or {}
+    step = (ladder.get("ladder") or [])[int(index)]
+    write_atomic(run / "ds_config.json", json.dumps(step["ds_config"], indent=2, sort_keys=True) + "\n")
+    memory = read_json(run / RunDir.MEMORY)
+    if memory:
+        memory.update(preset=step["preset"], micro_batch=step["micro_batch"], predicted=step["predicted"])
+        write_atomic(run / RunDir.MEMORY, json.dumps(memory, indent=2, sort_keys=True) + "\n")
+    launch = read_json(run / RunDir.LAUNCH)
+    if launch:
+        launch.update(preset=step["preset"], dsc_micro_batch=step["micro_batch"])
+        write_atomic(run / RunDir.LAUNCH, json.dumps(launch, indent=2, sort_keys=True) + "\n")
+    write_atomic(run / RunDir.AUTO, json.dumps(dict(ladder, index=int(index)), sort_keys=True) + "\n")
+    return {"ok": True, "preset": step["preset"], "micro_batch": step["micro_batch"]}
 
 
 class Unfailing:
@@ -1632,6 +1788,9 @@ def command(argv):
         print(json.dumps(write_secrets(args[0], json.load(sys.stdin))))
     elif cmd == "entry":
         return entry(args, local_rank)
+    elif cmd == "step-down":  # preset=auto's next configuration, on a worker (the supervisor's)
+        if os.path.isdir(args[0]):
+            print(json.dumps(apply_step(args[0], int(args[1]))))
     elif cmd == "write-exit":  # the supervisor's record of how the run ended, on a worker
         if os.path.isdir(args[0]):
             write_atomic(RunDir(args[0]) / RunDir.EXIT, f"{int(args[1])}\n")

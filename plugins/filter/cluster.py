@@ -4,6 +4,7 @@ plugins/module_utils/dsc_plan.py, derived once by the dsc_plan action).
     {{ (versions, name) | dsc_report_row }}            -> one row of provision's version table
     {{ hostvars | dsc_version_diff(names) }}           -> messages for versions that differ
     {{ status | dsc_status_row }}                      -> one node's row of status.yml
+    {{ status | dsc_step_down_lines }}                 -> preset=auto's steps down, a line each
     {{ rows | dsc_runs_table }}                        -> runs.yml's table
 """
 from __future__ import annotations
@@ -48,8 +49,23 @@ def status_row(st):
             else f"samples/s {last['samples_per_s']}" if last.get("samples_per_s") is not None
             else "tokens/s -")
     tail = f"memory {mem} GiB" if mem is not None else f"lr {last['lr']:.3g}" if last.get("lr") is not None else "memory - GiB"
+    peak = st.get("memory") or {}
+    gib = 2 ** 30
+    # the peak per GPU the plan predicted against the one this node's ranks measured (entry shim)
+    peak_text = "" if not peak.get("predicted") else (
+        f", peak per GPU measured {peak['measured'] / gib:.1f} of predicted {peak['predicted'] / gib:.1f} GiB "
+        f"(x{peak['ratio']:.2f}{', OVER' if peak.get('over') else ''})" if peak.get("measured")
+        else f", peak per GPU predicted {peak['predicted'] / gib:.1f} GiB")
     return (f"{st.get('host', '?')}: {st.get('state', '?')}, ranks alive {st.get('ranks_alive', 0)}, "
-            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, {rate}, {tail}")
+            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, {rate}, {tail}{peak_text}")
+
+
+def step_down_lines(st):
+    """preset=auto's steps down after out-of-memory errors, a line each (status.yml, follow)."""
+    return [f"step down {d.get('attempt')}: {d.get('preset')} micro-batch {d.get('micro_batch')} ran out of "
+            f"memory{' at step ' + str(d['at_step']) if d.get('at_step') is not None else ''} "
+            f"({d.get('cause')}); then {d['next']['preset']} micro-batch {d['next']['micro_batch']}"
+            for d in (st or {}).get("step_downs") or []]
 
 
 def runs_table(rows):
@@ -82,6 +98,7 @@ class FilterModule:
             "dsc_report_row": report_row,
             "dsc_version_diff": version_diff,
             "dsc_status_row": status_row,
+            "dsc_step_down_lines": step_down_lines,
             "dsc_log_sections": log_sections,
             "dsc_runs_table": runs_table,
         }

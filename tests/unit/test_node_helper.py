@@ -631,3 +631,126 @@ def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_
             os.chown(d, nobody.pw_uid, nobody.pw_gid)
         assert dsc_plan.existing_owner("node1", py, dsc_node.path_owners(py)) == ("nobody", None)
     assert "error" in dsc_node.path_owners(str(tmp_path / "none" / "bin" / "python"))
+
+
+def test_each_rank_records_its_peak_after_its_first_steps_and_status_sets_it_against_the_prediction(tmp_path, monkeypatch):
+    """The entry shim's engine hook: every rank (not only rank 0) appends its
+    max_memory_allocated after each of its first 3 optimizer steps with the configuration it ran;
+    status and runs set the largest against memory.json's prediction and say when it is over by
+    more than 5 %, with the ratio."""
+    run = tmp_path / "r1"
+    run.mkdir()
+    gib = 2 ** 30
+    (run / "memory.json").write_text(json.dumps({"key": "k1", "preset": "zero1", "micro_batch": 16, "world": 2,
+                                                 "predicted": 50 * gib, "tolerance": 1.05}))
+
+    class Engine:
+        def __init__(self, rank):
+            self.global_rank, self.global_steps, self.device = rank, 0, None
+
+        def backward(self, loss):
+            return loss
+
+        def step(self):
+            self.global_steps += 1
+
+        def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
+            return None
+    peaks = {0: 60 * gib, 1: 72 * gib}
+    monkeypatch.setattr(dsc_node, "peak_allocated", lambda engine: peaks[engine.global_rank])
+    watch = dsc_node.EngineWatch(run / "progress.jsonl", measured=run / "memory.jsonl")
+    watch.patch(Engine)
+    for rank in (0, 1):
+        engine = Engine(rank)
+        for _ in range(5):
+            engine.step()
+    lines = [json.loads(x) for x in (run / "memory.jsonl").read_text().splitlines()]
+    assert [(m["rank"], m["step"]) for m in lines] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert all((m["preset"], m["micro_batch"]) == ("zero1", 16) for m in lines)
+    mem = dsc_node.status(run, "r1")["memory"]
+    assert (mem["predicted"], mem["measured"], mem["ratio"], mem["over"], mem["ranks"]) == (50 * gib, 72 * gib, 1.44, True, 2)
+    assert mem["note"].startswith("measured 72.00 GiB per GPU against the predicted 50.00 GiB (x1.44): over the "
+                                  "prediction by 44 %")
+    assert next(r for r in dsc_node.runs(tmp_path) if r["id"] == "r1")["memory"]["key"] == "k1"
+    # after a step down, the measured peaks of the earlier configuration are not this one's
+    (run / "memory.json").write_text(json.dumps({"key": "k1", "preset": "zero2", "micro_batch": 8, "world": 2,
+                                                 "predicted": 30 * gib}))
+    mem = dsc_node.status(run, "r1")["memory"]
+    assert mem["measured"] is None and mem["ratio"] is None and not mem["over"]
+    # off the GPU nothing is recorded
+    monkeypatch.undo()
+    assert dsc_node.peak_allocated(Engine(0)) is None or "torch" in sys.modules
+
+
+def ladder(run, micro_batches=(16, 8, 4)):
+    steps = [{"preset": f"zero{i + 1}", "micro_batch": mb, "grad_accum": 64 // mb, "train_batch": 64,
+              "predicted": mb * 2 ** 30, "ds_config": {"train_micro_batch_size_per_gpu": mb}}
+             for i, mb in enumerate(micro_batches)]
+    (run / "auto.json").write_text(json.dumps({"ladder": steps, "index": 0}))
+    (run / "ds_config.json").write_text(json.dumps(steps[0]["ds_config"]))
+    (run / "memory.json").write_text(json.dumps({"key": "k", "preset": "zero1", "micro_batch": 16, "predicted": 1}))
+    (run / "launch.json").write_text(json.dumps({"preset": "zero1", "dsc_micro_batch": 16, "dsc_train_batch": 64}))
+
+
+def test_an_out_of_memory_error_in_the_first_steps_steps_down_preset_autos_ladder(tmp_path):
+    """The supervisor (max_restarts 0): a rank's torch.OutOfMemoryError at micro-batch 16 and 8
+    does not fail the run: each attempt steps down the ladder (ds_config, memory.json and
+    launch.json on this node), is recorded with its cause and shown by status; micro-batch 4
+    trains and the run finishes with the configuration that trained in its launch record."""
+    root = tmp_path / "runs"
+    run = root / "auto1"
+    run.mkdir(parents=True)
+    ladder(run)
+    script = launcher_script(tmp_path, 'if grep -q \'"train_micro_batch_size_per_gpu": 4\' "$DSC_RUN_DIR/ds_config.json"; '
+                                       'then echo trained; exit 0; fi\n'
+                                       'echo "node1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"\n'
+                                       'echo "node1: [launch] exits with return code = 1"; exit 1')
+    started = helper("start", run, "auto1", "--run-root", root, "--ports", 29820, 29830, "--", script)
+    assert started.returncode == 0, started.stderr
+    assert wait_for(run / "exit_code", 30)
+    assert (run / "exit_code").read_text().strip() == "0", (run / "launcher.log").read_text()
+    downs = [json.loads(x) for x in (run / "step_downs.jsonl").read_text().splitlines()]
+    assert [(d["preset"], d["micro_batch"], d["next"]["micro_batch"]) for d in downs] == [("zero1", 16, 8), ("zero2", 8, 4)]
+    assert all("torch.OutOfMemoryError" in d["cause"] for d in downs)
+    assert json.loads((run / "launch.json").read_text())["dsc_micro_batch"] == 4
+    assert json.loads((run / "launch.json").read_text())["preset"] == "zero3"
+    assert json.loads((run / "memory.json").read_text())["micro_batch"] == 4
+    assert json.loads((run / "auto.json").read_text())["index"] == 2
+    st = dsc_node.status(run, "auto1")
+    assert st["state"] == "finished" and st["restarts"] == 0 and len(st["step_downs"]) == 2
+    assert "stepping down to zero2 micro-batch 8" in (run / "launcher.log").read_text()
+
+
+def test_no_step_down_for_another_error_a_run_past_its_first_steps_or_a_spent_ladder(tmp_path):
+    run = dsc_node.RunDir(tmp_path)
+    ladder(tmp_path)
+    assert not dsc_node.step_down(run, [], None, 1)  # not out of memory
+    (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 4}) + "\n")
+    assert not dsc_node.step_down(run, [], "torch.OutOfMemoryError: CUDA out of memory", 1)  # trained already
+    (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 2}) + "\n")
+    assert dsc_node.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
+    assert dsc_node.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
+    assert not dsc_node.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)  # spent
+    assert len(dsc_node.step_downs(tmp_path)) == 2
+    # a worker applies the step the supervisor sends it
+    out = helper("step-down", tmp_path, 1)
+    assert json.loads(out.stdout) == {"ok": True, "preset": "zero2", "micro_batch": 8}
+    assert json.loads((tmp_path / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"] == 8
+
+
+def test_status_rows_show_the_peak_against_the_prediction_and_each_step_down():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dsc_filters", ROOT / "plugins" / "filter" / "cluster.py")
+    filters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filters)
+    gib = 2 ** 30
+    st = {"host": "node1", "state": "running", "ranks_alive": 1, "last": {"step": 3},
+          "memory": {"predicted": 50 * gib, "measured": 72 * gib, "ratio": 1.44, "over": True},
+          "step_downs": [{"attempt": 1, "preset": "zero1", "micro_batch": 16, "at_step": None,
+                          "cause": "node1: torch.OutOfMemoryError: CUDA out of memory",
+                          "next": {"preset": "zero2", "micro_batch": 8}}]}
+    assert filters.status_row(st).endswith(", peak per GPU measured 72.0 of predicted 50.0 GiB (x1.44, OVER)")
+    assert filters.step_down_lines(st) == [
+        "step down 1: zero1 micro-batch 16 ran out of memory (node1: torch.OutOfMemoryError: CUDA out of memory); "
+        "then zero2 micro-batch 8"]
+    assert filters.status_row(dict(st, memory=None)).endswith("memory - GiB")
