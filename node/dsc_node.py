@@ -551,17 +551,90 @@ def gpus():
             for r in rows if len(r) >= 3]
 
 
+def root_paths(install_root, run_root, data_dir, home):
+    """Every path that root creates, changes or writes into on a node (provision, launch; stop
+    and status only read), the one list the plan checks: [{var, path, role}]. role "root": root's
+    alone (owner root, every directory above root's); "made": created by root for the training
+    user (the install root: owner root or the training user, every directory above root's);
+    "user": the training user's (written as that user; owner the training user or root)."""
+    install_root = install_root.rstrip("/") or "/"
+    cache = f"{install_root}/cache"
+    out = [{"var": "node helper", "path": os.path.dirname(INSTALLED_PATH), "role": "root"},
+           {"var": "node helper", "path": INSTALLED_PATH, "role": "root"},
+           {"var": "dsc_install_root", "path": install_root, "role": "made"}]
+    out += [{"var": "dsc_install_root", "path": p, "role": "user"} for p in (
+        cache, f"{cache}/torch_extensions", f"{cache}/miniconda-installer.sh",
+        f"{install_root}/wheelhouse", f"{install_root}/lock-wheels.txt",
+        f"{install_root}/lock-sdists.txt", f"{install_root}/ds_report.txt")]
+    if run_root:
+        out.append({"var": "dsc_run_root", "path": run_root.rstrip("/") or "/", "role": "user"})
+    if data_dir:
+        out.append({"var": "dsc_data_dir", "path": data_dir.rstrip("/") or "/", "role": "user"})
+    if home:
+        out += [{"var": "dsc_train_user", "path": p, "role": "user"} for p in (
+            f"{home}/.ssh", f"{home}/.ssh/authorized_keys", f"{home}/.ssh/id_ed25519",
+            f"{home}/.ssh/known_hosts", f"{home}/.ssh/config")]
+    return out
+
+
+def path_chain(path):
+    """lstat of a path and of every directory above it, "/" first (a link is reported with its
+    target, never followed): [{path, kind, uid, user, mode, target}]; a missing one has kind
+    "missing", and the chain stops there."""
+    import pwd
+    parts = [p for p in path.split("/") if p]
+    out = []
+    for i in range(len(parts) + 1):
+        p = "/" + "/".join(parts[:i])
+        try:
+            st = os.lstat(p)
+        except OSError:
+            out.append({"path": p, "kind": "missing"})
+            break
+        kind = ("link" if stat_mod.S_ISLNK(st.st_mode) else "dir" if stat_mod.S_ISDIR(st.st_mode)
+                else "file" if stat_mod.S_ISREG(st.st_mode) else "other")
+        try:
+            user = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            user = str(st.st_uid)
+        entry = {"path": p, "kind": kind, "uid": st.st_uid, "user": user, "mode": oct(st.st_mode & 0o7777)}
+        if kind == "link":
+            try:
+                entry["target"] = os.readlink(p)
+            except OSError:
+                entry["target"] = "?"
+        out.append(entry)
+        if kind != "dir":
+            break
+    return out
+
+
+def root_path_report(install_root, run_root, data_dir, train_user):
+    """root_paths with each one's chain (path_chain), for the plan to refuse before any change."""
+    import pwd
+    try:
+        home = pwd.getpwnam(train_user).pw_dir if train_user else ""
+    except KeyError:
+        home = ""  # not created yet: provision makes the home, as root, in root's /home
+    return [dict(e, chain=path_chain(e["path"])) for e in root_paths(install_root, run_root, data_dir, home)]
+
+
 def probe(argv):
     """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
-    run_root = argv[argv.index("--run-root") + 1] if "--run-root" in argv else ""
-    existing = argv[argv.index("--existing-python") + 1] if "--existing-python" in argv else ""
+    def arg(name):
+        return argv[argv.index(name) + 1] if name in argv else ""
+    run_root = arg("--run-root")
+    existing = arg("--existing-python")
+    install_root = arg("--install-root")
     ib = Path("/sys/class/infiniband")
     return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "gpus": gpus(),
             "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
             "runs": runs(run_root) if run_root else [],
             "run_root_links": links(run_root) if run_root else [],
             "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(),
-            **({"existing_python": path_owners(existing)} if existing else {})}
+            **({"existing_python": path_owners(existing)} if existing else {}),
+            **({"root_paths": root_path_report(install_root, run_root, arg("--data-dir"),
+                                               arg("--train-user"))} if install_root else {})}
 
 
 def path_owners(path):
@@ -752,6 +825,9 @@ def check(a):
                               user=a.get("train_user"))[0] == 0) if a.get("data_dir") else None,
         "jit_locks": jit_locks_as(a.get("ext_dir"), a.get("train_user")),
         "helper_owners": owners([INSTALLED_PATH, os.path.dirname(INSTALLED_PATH)]),
+        # Every path root creates or writes into (the plan refuses a link or a foreign owner).
+        "root_paths": root_path_report(a.get("install_root", ""), a["run_root"], a.get("data_dir", ""),
+                                       a.get("train_user", "")) if a.get("install_root") else None,
     }
     if a.get("master"):
         out["port"] = {"wanted": a["port_first"], "wanted_free": port_free(a["port_first"]),

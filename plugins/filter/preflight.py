@@ -75,6 +75,24 @@ def owner_verdict(owners):
     return ("PASS", "the node helper and its directory are root's, not writable by others", "")
 
 
+def root_paths_verdict(node, report, train_user):
+    """(status, detail, fix) for the paths root creates or writes into on a node (the node
+    helper's root_paths): FAIL naming the first link or foreign owner, with the plan's own words
+    (plugins/module_utils/dsc_plan.py's root_path_problems: the plan refuses the same)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
+    import dsc_plan  # pure Python
+    if report is None:
+        return ("WARN", "the node helper did not report them (older helper)", "re-run provision.yml")
+    problems = dsc_plan.root_path_problems(node, report, train_user)
+    if problems:
+        detail, _, fix = problems[0].partition(" Fix: ")
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return ("FAIL", detail + more, fix.replace("; nothing was changed.", ""))
+    return ("PASS", f"{len(report)} paths: no link, each owned by root or {train_user} as expected", "")
+
+
 def lock_verdict(node, locks):
     """(status, detail, fix) for torch's op-build locks on a node (the node helper's jit_locks)."""
     stale = [x for x in locks if x.get("stale")]
@@ -217,6 +235,8 @@ def preflight_rows(hostvars, cluster, settings):
     for n in ok:
         rows.append(_row("op build locks", n, *lock_verdict(n, probe[n].get("jit_locks") or [])))
         rows.append(_row("helper owner", n, *owner_verdict(probe[n].get("helper_owners") or {})))
+        rows.append(_row("root paths", n, *root_paths_verdict(n, probe[n].get("root_paths"),
+                                                              settings["train_user"])))
     port = probe.get(master, {}).get("port")
     if port:
         first, last = settings["port_first"], settings["port_last"]

@@ -618,6 +618,55 @@ def _lock(s, texts, where, problems, check_dir):
     return lock
 
 
+def root_path_problems(node, report, train_user, data=True):
+    """Refusals for the paths root creates or writes into on a node (the probe's root_paths:
+    each with the lstat of every directory above it), before any node changes: a link planted
+    where root would follow it, an owner other than the expected one, a directory above a path
+    of root's that another user owns. `data`: check dsc_data_dir (launch, when it is synced)."""
+    out = []
+    seen = set()
+    for entry in report or []:
+        var, path, role = entry.get("var", "?"), entry.get("path", "?"), entry.get("role", "user")
+        if var == "dsc_data_dir" and not data:
+            continue
+        chain = entry.get("chain") or []
+        where = f"{var} on host {node}" + ("" if var == "node helper" else f": root writes {path}")
+        for i, c in enumerate(chain):
+            p, kind = c.get("path", "?"), c.get("kind")
+            parent = chain[i - 1] if i else None
+            if kind == "missing":
+                break
+            last = i == len(chain) - 1 and p == path
+            if kind == "link":
+                # A link of root's in a directory of root's is the system's layout (/opt -> /var/opt).
+                if c.get("uid") == 0 and (parent is None or parent.get("uid") == 0):
+                    continue
+                msg = (f"{where}, and {p} is a link to {c.get('target', '?')} owned by {c.get('user', '?')}: "
+                       f"root would follow it. Fix: remove the link (rm {p}; provision then "
+                       f"creates a real directory), or set {var if var != 'node helper' else 'nothing'} "
+                       f"to a path without links; nothing was changed.")
+            elif last and role == "root" and c.get("uid") != 0:
+                msg = (f"{where}: {p} is owned by {c.get('user', '?')}, not root: whoever owns it can "
+                       f"change what root runs. Fix: chown root:root {p} (or remove it: provision "
+                       f"installs it); nothing was changed.")
+            elif last and role in ("made", "user") and c.get("uid") != 0 and c.get("user") != train_user:
+                msg = (f"{where}, and {p} is owned by {c.get('user', '?')}, not {train_user} or root. "
+                       f"Fix: point {var} at a path of {train_user}'s, or chown -R {train_user}: {p} "
+                       f"if it is theirs; nothing was changed.")
+            elif not last and role in ("root", "made") and c.get("uid") != 0:
+                msg = (f"{where}, and the directory above it, {p}, is owned by {c.get('user', '?')}: "
+                       f"whoever owns it can swap {path} for a link between the check and the write. "
+                       f"Fix: set {var} under a directory of root's (e.g. /opt), or chown root {p}; "
+                       f"nothing was changed.")
+            else:
+                continue
+            if p not in seen:
+                seen.add(p)
+                out.append(msg)
+            break
+    return out
+
+
 def _data(s, where, problems, check_dir):
     """The dataset directory: synced from the control node to the same path on every node, or
     (dsc_data_shared) already there on a shared filesystem, checked by preflight."""
@@ -1861,6 +1910,15 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems)
     _firewall_backends(nodes, probes, s, firewall, problems)
+    for node in nodes:
+        # The control node itself (a local connection, the one-node default): dsc_data_dir there is
+        # the source, never created, changed or synced (launch skips it on this node).
+        node["local"] = str((hostvars.get(node["name"]) or {}).get("ansible_connection") or "") == "local"
+        if node["reachable"]:
+            for message in root_path_problems(
+                    node["name"], (probes.get(node["name"]) or {}).get("root_paths"), str(s["dsc_train_user"]),
+                    data=full_run and not as_bool(s["dsc_data_shared"]) and not node["local"]):
+                problems.add(message)
     for node in nodes:
         if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}) \
                 and not training_address(node["name"], hostvars.get(node["name"]) or {})[1]:

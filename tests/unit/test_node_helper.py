@@ -754,3 +754,35 @@ def test_status_rows_show_the_peak_against_the_prediction_and_each_step_down():
         "step down 1: zero1 micro-batch 16 ran out of memory (node1: torch.OutOfMemoryError: CUDA out of memory); "
         "then zero2 micro-batch 8"]
     assert filters.status_row(dict(st, memory=None)).endswith("memory - GiB")
+
+
+def test_probe_reports_each_root_path_and_its_chain_with_links_never_followed(tmp_path):
+    """The probe's root_paths: every path root creates or writes into, each directory above it
+    read with lstat; a planted link is reported with its target and the chain stops there."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    root = tmp_path / "inst"
+    root.mkdir()
+    (root / "cache").symlink_to(victim)
+    out = json.loads(helper("probe", "--run-root", root / "runs", "--install-root", root,
+                            "--data-dir", tmp_path / "data", "--train-user", "nobody-here").stdout)
+    by_path = {e["path"]: e for e in out["root_paths"]}
+    cache = by_path[f"{root}/cache"]
+    assert cache["var"] == "dsc_install_root" and cache["role"] == "user"
+    assert [c["path"] for c in cache["chain"]][-2:] == [str(root), f"{root}/cache"]
+    assert cache["chain"][-1]["kind"] == "link" and cache["chain"][-1]["target"] == str(victim)
+    ext = by_path[f"{root}/cache/torch_extensions"]["chain"]
+    assert ext[-1]["path"] == f"{root}/cache" and ext[-1]["kind"] == "link"  # never followed below
+    assert by_path[str(root)]["role"] == "made" and by_path[str(root)]["chain"][-1]["kind"] == "dir"
+    assert by_path[f"{root}/runs"]["chain"][-1]["kind"] == "missing"
+    assert by_path[str(tmp_path / "data")]["var"] == "dsc_data_dir"
+    assert by_path["/usr/local/lib/dscluster"]["role"] == "root"
+    assert not any(e["var"] == "dsc_train_user" for e in out["root_paths"])  # no such user: no home
+
+
+def test_root_paths_name_the_ssh_files_of_the_training_users_home():
+    paths = {e["path"]: e["var"] for e in dsc_node.root_paths("/opt/d/", "/opt/d/runs", "", "/home/u")}
+    assert paths["/opt/d"] == "dsc_install_root" and paths["/opt/d/runs"] == "dsc_run_root"
+    assert {p for p, v in paths.items() if v == "dsc_train_user"} == {
+        "/home/u/.ssh", "/home/u/.ssh/authorized_keys", "/home/u/.ssh/id_ed25519",
+        "/home/u/.ssh/known_hosts", "/home/u/.ssh/config"}

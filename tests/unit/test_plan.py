@@ -1355,3 +1355,79 @@ def test_preset_auto_on_cpu_nodes_plans_for_the_memory_it_is_given(tmp_path):
     assert "memory.json" not in p["run"]["files"]  # nothing measures a CPU rank's peak
     p, errors = plan(options=dict(opts, dsc_auto_memory_gib="lots"), full_run=True)
     assert any(e.startswith("dsc_auto_memory_gib is 'lots'. Fix:") for e in errors), errors
+
+
+def chain(*entries):
+    """A probe's lstat chain: (path, kind, user[, target]) each."""
+    return [dict({"path": p, "kind": k, "uid": 0 if u == "root" else 1000, "user": u, "mode": "0o755"},
+                 **({"target": t[0]} if t else {})) for p, k, u, *t in entries]
+
+
+def root_paths(*extra):
+    base = [{"var": "dsc_install_root", "path": "/opt/dscluster", "role": "made",
+             "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"))}]
+    return base + list(extra)
+
+
+def plan_with_paths(report, full_run=False, **settings):
+    hostvars, groups, probes = cluster(1, **settings)
+    probes["node1"]["root_paths"] = report
+    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, now="20261130-000000",
+                              full_run=full_run, check_dir=lambda p: True)
+
+
+def test_clean_root_paths_pass():
+    p, errors = plan_with_paths(root_paths(
+        {"var": "dsc_install_root", "path": "/opt/dscluster/cache", "role": "user",
+         "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"),
+                        ("/opt/dscluster/cache", "dir", "dstrain"))}))
+    assert errors == [] and p["node"]["node1"]["local"] is False
+
+
+@pytest.mark.parametrize("entry,needles", [
+    ({"var": "dsc_install_root", "path": "/opt/dscluster/cache/torch_extensions", "role": "user",
+      "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"),
+                     ("/opt/dscluster/cache", "link", "dstrain", "/etc"))},
+     ["dsc_install_root on host node1: root writes /opt/dscluster/cache/torch_extensions",
+      "/opt/dscluster/cache is a link to /etc owned by dstrain", "Fix: remove the link (rm /opt/dscluster/cache"]),
+    ({"var": "dsc_train_user", "path": "/home/dstrain/.ssh", "role": "user",
+      "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/dstrain", "dir", "dstrain"),
+                     ("/home/dstrain/.ssh", "link", "dstrain", "/root/.ssh"))},
+     ["dsc_train_user on host node1", "/home/dstrain/.ssh is a link to /root/.ssh"]),
+    ({"var": "dsc_run_root", "path": "/srv/runs", "role": "user",
+      "chain": chain(("/", "dir", "root"), ("/srv", "dir", "root"), ("/srv/runs", "dir", "alice"))},
+     ["dsc_run_root on host node1", "/srv/runs is owned by alice, not dstrain or root", "Fix: point dsc_run_root"]),
+    ({"var": "dsc_install_root", "path": "/home/dstrain/dsc", "role": "made",
+      "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/dstrain", "dir", "dstrain"),
+                     ("/home/dstrain/dsc", "missing", ""))},
+     ["the directory above it, /home/dstrain, is owned by dstrain", "Fix: set dsc_install_root under"]),
+    ({"var": "node helper", "path": "/usr/local/lib/dscluster", "role": "root",
+      "chain": chain(("/", "dir", "root"), ("/usr", "dir", "root"), ("/usr/local", "dir", "root"),
+                     ("/usr/local/lib", "dir", "root"), ("/usr/local/lib/dscluster", "dir", "dstrain"))},
+     ["node helper on host node1", "/usr/local/lib/dscluster is owned by dstrain, not root", "chown root:root"]),
+])
+def test_a_link_or_a_foreign_owner_at_a_root_path_is_refused_naming_it(entry, needles):
+    p, errors = plan_with_paths(root_paths(entry))
+    assert p is None and len(errors) == 1, errors
+    for needle in needles:
+        assert needle in errors[0]
+    assert "nothing was changed" in errors[0]
+
+
+def test_a_root_owned_link_in_a_root_directory_is_the_systems_layout():
+    p, errors = plan_with_paths([{"var": "dsc_install_root", "path": "/opt/dscluster", "role": "made",
+                                  "chain": chain(("/", "dir", "root"), ("/opt", "link", "root", "var/opt"))}])
+    assert errors == []
+
+
+def test_the_data_dir_is_checked_at_launch_only_and_never_on_the_control_node_itself():
+    data = {"var": "dsc_data_dir", "path": "/home/alice/data", "role": "user",
+            "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/alice", "dir", "alice"),
+                           ("/home/alice/data", "dir", "alice"))}
+    assert plan_with_paths(root_paths(data), dsc_data_dir="/home/alice/data")[1] == []
+    _, errors = plan_with_paths(root_paths(data), full_run=True, dsc_data_dir="/home/alice/data")
+    assert any("dsc_data_dir on host node1" in e and "owned by alice" in e for e in errors), errors
+    # The one-node default: the node is the control node, its data dir the source, left alone.
+    p, errors = plan_with_paths(root_paths(data), full_run=True, dsc_data_dir="/home/alice/data",
+                                ansible_connection="local")
+    assert not any("dsc_data_dir" in e for e in errors), errors

@@ -104,3 +104,20 @@ def test_owners_reads_uid_and_mode(tmp_path):
     got = dsc_node.owners([str(f), str(tmp_path / "missing")])
     assert got[str(f)]["mode"] == "0o777" and got[str(f)]["safe"] is False
     assert got[str(tmp_path / "missing")]["safe"] is False
+
+
+def test_root_paths_row_fails_on_a_planted_link_naming_the_path_and_the_fix():
+    def chain(*entries):
+        return [dict({"path": p, "kind": k, "uid": 0 if u == "root" else 1000, "user": u, "mode": "0o755"},
+                     **({"target": t[0]} if t else {})) for p, k, u, *t in entries]
+    clean = [{"var": "dsc_install_root", "path": "/opt/dscluster", "role": "made",
+              "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"))}]
+    assert preflight.root_paths_verdict("node1", clean, "dstrain")[0] == "PASS"
+    planted = clean + [{"var": "dsc_run_root", "path": "/opt/dscluster/runs", "role": "user",
+                        "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"),
+                                       ("/opt/dscluster", "dir", "dstrain"),
+                                       ("/opt/dscluster/runs", "link", "dstrain", "/etc"))}]
+    status, detail, fix = preflight.root_paths_verdict("node1", planted, "dstrain")
+    assert status == "FAIL" and "/opt/dscluster/runs is a link to /etc owned by dstrain" in detail
+    assert "dsc_run_root on host node1" in detail and fix.startswith("remove the link (rm /opt/dscluster/runs")
+    assert preflight.root_paths_verdict("node1", None, "dstrain")[0] == "WARN"
