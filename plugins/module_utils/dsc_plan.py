@@ -649,7 +649,8 @@ def root_path_problems(node, report, train_user, data=True):
                 msg = (f"{where}: {p} is owned by {c.get('user', '?')}, not root: whoever owns it can "
                        f"change what root runs. Fix: chown root:root {p} (or remove it: provision "
                        f"installs it); nothing was changed.")
-            elif last and role in ("made", "user") and c.get("uid") != 0 and c.get("user") != train_user:
+            elif last and role in ("made", "user") and c.get("user") != train_user and (
+                    c.get("uid") != 0 or var == "dsc_data_dir"):  # synced as the user, never chowned
                 msg = (f"{where}, and {p} is owned by {c.get('user', '?')}, not {train_user} or root. "
                        f"Fix: point {var} at a path of {train_user}'s, or chown -R {train_user}: {p} "
                        f"if it is theirs; nothing was changed.")
