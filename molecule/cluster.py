@@ -99,6 +99,8 @@ def start(name, hostname, ip, ip6, port, image=IMAGE):
        # sshd as a daemon: a test can stop sshd alone, as on a real node, or the whole container.
        '[ "$(cat /etc/ssh/.node-id 2>/dev/null)" = "$DSC_NODE_ID" ] || '
        '{ rm -f /etc/ssh/ssh_host_*; echo "$DSC_NODE_ID" > /etc/ssh/.node-id; }; '
+       # A firewall the node had is loaded as its boot would (ufw's own boot script).
+       "if [ -x /lib/ufw/ufw-init ]; then /lib/ufw/ufw-init start quiet >/dev/null 2>&1; fi; "
        f"ssh-keygen -A && (grep -q ' {hostname}$' /etc/hosts || "
        f"printf '127.0.0.1 localhost\\n{ip} {hostname}\\n' > /etc/hosts) "
        f"&& /usr/sbin/sshd -p {port} && exec sleep infinity")
