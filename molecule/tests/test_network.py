@@ -68,10 +68,58 @@ def _first(rules, *needles):
     return next((n for n, line in rules if all(x in line for x in needles)), None)
 
 
-def _outsider_reaches(cluster, addr, v6=False):
+def _outsider_reaches(cluster, addr, v6=False, port=29500, wait_s=3):
     r = subprocess.run(["podman", "exec", cluster.info["outsider"]["name"], "nc", *(["-6"] if v6 else []),
-                        "-z", "-w", "3", addr, "29500"], capture_output=True, text=True)
+                        "-z", "-w", str(wait_s), addr, str(port)], capture_output=True, text=True)
     return r.returncode == 0
+
+
+EPHEMERAL = 41234  # a port like those a rank's collectives listen on
+
+
+def _what_the_outsider_reaches(cluster):
+    """{(family, what): reached} for the master's SSH port, a master port and an ephemeral port,
+    over IPv4 and IPv6, with a listener on the latter two."""
+    h = cluster.info["hosts"][0]
+    cluster.listen(cluster.master, 29500)
+    cluster.listen(cluster.master, EPHEMERAL)
+    try:
+        return {(fam, what): _outsider_reaches(cluster, h[key], v6=fam == "v6", port=port, wait_s=2)
+                for fam, key in (("v4", "ip"), ("v6", "ip6"))
+                for what, port in (("ssh", h["port"]), ("master port", 29500), ("ephemeral", EPHEMERAL))}
+    finally:
+        cluster.stop_listening(cluster.master)
+
+
+def test_an_outsider_reaches_only_what_the_inbound_policy_opens(provisioned, cluster):
+    """The README's promise from an outsider on the cluster's network, over IPv4 and IPv6. By
+    default (the toolkit enabled ufw itself, over SSH) inbound is denied: SSH, the master ports and
+    a rank's ephemeral port are closed to it, open to the cluster. cluster_network_default_deny
+    false keeps a site's allow policy: SSH and the ephemeral port open to everyone, the master
+    ports still closed. true switches it to deny again."""
+    master, worker, h = cluster.master, cluster.names[1], cluster.info["hosts"][0]
+    closed = {k: False for k in _what_the_outsider_reaches(cluster)}
+    assert "Default: deny (incoming)" in cluster.exec(master, "ufw status verbose").stdout
+    assert _what_the_outsider_reaches(cluster) == closed
+    cluster.listen(master, EPHEMERAL)
+    try:
+        for port in (h["port"], EPHEMERAL):  # the cluster still reaches both
+            assert cluster.exec(worker, f"nc -z -w 3 {h['ip']} {port}", check=False).returncode == 0, port
+    finally:
+        cluster.stop_listening(master)
+    try:
+        cluster.exec(master, "ufw default allow incoming")  # a site whose policy is allow
+        kept = cluster.playbook("provision.yml", "--tags", "network", "-e", "cluster_network_default_deny=false")
+        assert kept.returncode == 0, kept.output[-3000:]
+        assert "Default: allow (incoming)" in cluster.exec(master, "ufw status verbose").stdout
+        opened = _what_the_outsider_reaches(cluster)
+        assert opened == {**closed, ("v4", "ssh"): True, ("v6", "ssh"): True,
+                          ("v4", "ephemeral"): True, ("v6", "ephemeral"): True}, opened
+    finally:
+        denied = cluster.playbook("provision.yml", "--tags", "network", "-e", "cluster_network_default_deny=true")
+        assert denied.returncode == 0, denied.output[-3000:]
+    assert "Default: deny (incoming)" in cluster.exec(master, "ufw status verbose").stdout
+    assert _what_the_outsider_reaches(cluster) == closed
 
 
 # What a site's admin typed on the master after the toolkit's provision (the test network's
