@@ -254,6 +254,7 @@ dsc_wheelhouse: {wheelhouse}
 dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.txt'}
 # A followed run polled every second: the tests' runs are seconds long (users' default: 5).
 follow_every_s: 1
+follow_log_every_s: 1
 """ + extra)
 
 

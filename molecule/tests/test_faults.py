@@ -176,10 +176,10 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
 
 
 def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster, figures):
-    run_id, worker = "f-restart", cluster.names[1]
+    run_id, worker, steps = "f-restart", cluster.names[1], 1000
     try:
         # ~50 tiny steps/s here: long enough that the kill lands mid-run.
-        launch(cluster, run_id, 3000, 100, "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
+        launch(cluster, run_id, steps, 100, "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
         cluster.wait_checkpoint(run_id, 100)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -9 {victim}")
@@ -191,7 +191,7 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
         assert "[dsc_node] restart 1/2" in log and "resume: loaded" in log
         summary = json.loads(cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/summary.json").stdout)
-        assert summary["steps"] == 3000 and 100 <= summary["start_step"] < 3000, summary
+        assert summary["steps"] == steps and 100 <= summary["start_step"] < steps, summary
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: finished (restarts: 1)" in shown.output
         figures("auto restart", restarts=st["restarts"], resumed_from=summary["start_step"], steps=summary["steps"])

@@ -12,6 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
 TINY = {"vocab_size": 512, "seq_len": 64}
 PLOTS = ROOT / "runs" / "testcluster" / "plots"
+# Short enough for the suite, long enough for several of follow's 1 s polls (the test inventory's
+# follow_every_s) and log polls (follow_log_every_s) while the ranks train.
+FOLLOWED_STEPS = 300
+# A stopped rank is a stall after this long without a step (a tiny step takes ~20 ms here).
+STALL_S = 8
 
 
 def e(**values):
@@ -41,12 +46,12 @@ def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, clu
     run_id = "w-follow"
     (PLOTS / f"{run_id}.png").unlink(missing_ok=True)
     r = launch(cluster, run_id, "-e", "follow=true", "-e", "dsc_tensorboard=true",
-               *e(dsc_train_config=dict(TINY, steps=800, log_every=5, save_every=1000)))
+               *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
     # while the ranks train both nodes say so (at the last step the worker's ranks may be gone
     # first: "ended", while the master's still writes its checkpoint)
-    training = [x for x in lines if "ranks alive 1" in x and "step 800/800" not in x]
+    training = [x for x in lines if "ranks alive 1" in x and f"step {FOLLOWED_STEPS}/" not in x]
     assert training and all(f"nodes {cluster.names[0]}:running {cluster.names[1]}:running" in x for x in training), lines
     assert f"Plot: {PLOTS}/{run_id}.png" in r.output and is_png(PLOTS / f"{run_id}.png")
 
@@ -65,7 +70,7 @@ def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_l
 
 def test_logs_follow_streams_the_log_until_the_run_ends(provisioned, cluster):
     run_id = "w-stream"
-    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=600, log_every=50, save_every=1000)))
+    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=25, save_every=1000)))
     r = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "lines=3",
                          "-e", "logs_dest=/tmp/dsc-w-stream")
     assert r.returncode == 0, r.output[-3000:]
@@ -78,7 +83,7 @@ def test_logs_follow_streams_the_log_until_the_run_ends(provisioned, cluster):
 
 def test_status_follows_a_running_run_to_its_end(provisioned, cluster):
     run_id = "w-status-follow"
-    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=800, log_every=5, save_every=1000)))
+    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
     r = cluster.playbook("status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
     assert r.returncode == 0, r.output[-3000:]
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
@@ -96,7 +101,7 @@ def test_plot_draws_several_runs_in_one_picture(provisioned, cluster):
 
 def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provisioned, cluster):
     run_id, worker = "w-stall-mark", cluster.names[1]
-    launch(cluster, run_id, "-e", "dsc_stall_timeout_s=15",
+    launch(cluster, run_id, "-e", f"dsc_stall_timeout_s={STALL_S}",
            *e(dsc_train_config=dict(TINY, steps=100000, log_every=10, save_every=100000)))
     try:
         wait(lambda: (cluster.run_status(run_id).get("last") or {}).get("step"), 300, "the first steps")
@@ -104,7 +109,7 @@ def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provision
         cluster.exec(worker, f"kill -STOP {victim}")
         stopped_at = time.time()
         wait(lambda: (s := cluster.run_status(run_id))["state"] == "stalled" and s, 60, "the stall mark")
-        assert time.time() - stopped_at < 15 + 20  # the set time, plus the polls
+        assert time.time() - stopped_at < STALL_S + 20  # the set time, plus the polls
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: stalled" in shown.output
         cluster.exec(worker, f"kill -CONT {victim}")
@@ -116,9 +121,9 @@ def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provision
 
 def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provisioned, cluster):
     run_id, worker = "w-stall-fail", cluster.names[1]
-    launch(cluster, run_id, "-e", "dsc_stall_timeout_s=15", "-e", "dsc_stall_fail=true",
+    launch(cluster, run_id, "-e", f"dsc_stall_timeout_s={STALL_S}", "-e", "dsc_stall_fail=true",
            "-e", "max_restarts=1", "-e", "restart_backoff_s=2",
-           *e(dsc_train_config=dict(TINY, steps=2000, log_every=10, save_every=200)))
+           *e(dsc_train_config=dict(TINY, steps=800, log_every=10, save_every=200)))
     try:
         cluster.wait_checkpoint(run_id, 200)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
@@ -128,10 +133,10 @@ def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provis
         assert st["state"] == "finished" and st["restarts"] == 1, st
         restarts = [json.loads(x) for x in
                     cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/restarts.log").stdout.splitlines()]
-        assert "the run stalled: no step for 15 s after step" in restarts[0]["cause"], restarts
+        assert f"the run stalled: no step for {STALL_S} s after step" in restarts[0]["cause"], restarts
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
-        assert "[dsc_node] stalled: no step for 15 s" in log and "resume: loaded" in log
-        assert st["last"]["step"] == 2000
+        assert f"[dsc_node] stalled: no step for {STALL_S} s" in log and "resume: loaded" in log
+        assert st["last"]["step"] == 800
     finally:
         cluster.exec(worker, "pkill -CONT -f 'entry --module train.run' || true", check=False)
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
