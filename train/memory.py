@@ -21,8 +21,9 @@ of parts (bytes per GPU):
                  buffer, ZeRO-1/2's reduce buckets where the peak falls after the first gradient.
   activations    tensors saved for backward by each transformer block (Korthikanti et al. 2022,
                  s*b*h*(34 + 5*a*s/h) bytes/layer in 16-bit with dropout; 32 without dropout;
-                 the attention-score term only where scores are materialised), the final
-                 LayerNorm's, and the small fp32 per-token statistics.
+                 the attention-score term only where scores are materialised; the MLP's
+                 term by its activation function: ACTIVATIONS), the final LayerNorm's, and the
+                 small fp32 per-token statistics.
   accumulation   with gradient accumulation, what a later micro-step's backward finds still
                  allocated (measured on one and two H200s, ZeRO-1/2, optimizer on the GPU): ZeRO-2
                  its 16-bit gradient partition; ZeRO-1 the whole 16-bit gradients and its reduce
@@ -62,18 +63,68 @@ STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ATTENTIONS = ("sdpa", "eager")
 
+# The MLP's activation function: how many tensors of the MLP's width (s*b*I elements, 16-bit) the
+# activation keeps for backward, counting its input (fc's output) and its output (the down
+# projection's input, which that Linear keeps) where something keeps them. Names are transformers'
+# ACT2FN keys (an HF config's activation_function / hidden_act); "gelu" is torch's F.gelu, as
+# train/model.py's MLP runs it. Counted from autograd's saved tensors of each definition
+# (transformers 4.57's activations.py; checked with torch.autograd.graph.saved_tensors_hooks in
+# bf16) and, for gelu_new, measured on one H200 (docs/benchmarks.md):
+#   one fused op (F.gelu, F.gelu(approximate="tanh"), F.silu, F.mish, leaky_relu, relu6, prelu):
+#     the op keeps its input, the next Linear its output: 2.
+#   relu, tanh, sigmoid (backward from the output alone) and linear (identity): the output only: 1.
+#   gelu_new (NewGELUActivation; gelu_accurate and gelu_python_tanh are the same ops):
+#     0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3))))
+#       pow(x, 3)               keeps x                          (fc's output: 1)
+#       0.044715 * .., x + .., sqrt(2/pi) * ..   a scalar product or a sum keeps nothing
+#       tanh(u)                 keeps its output t               (2)
+#       1 + t                   keeps nothing; its result c is kept by the product below (3)
+#       0.5 * x                 keeps nothing; its result m is kept by the product below (4)
+#       m * c                   keeps both operands (m, c: counted above)
+#       its output              kept by the down projection      (5)
+#     5 tensors of 4h where a fused GELU keeps 2: 3 more, 12*h 16-bit values per token and layer.
+#     The H200 measurement: 2.25 GiB more per sequence than the fused count, in both attentions,
+#     = 24 layers x 2048 tokens x 8192 (4h) x 2 bytes x k, so k = 3 (12 s*h tensors per layer).
+#   gelu_python (x * 0.5 * (1 + erf(x / sqrt(2)))): erf keeps x/sqrt(2), the product x*0.5 and
+#     1+erf, and the output: x itself is kept by nothing: 4.
+#   gelu_fast (0.5 * x * (1 + tanh(x * 0.7978845608 * (1 + 0.044715 * x * x)))): the product
+#     (0.044715*x)*x keeps 0.044715*x and x, (x*0.798)*(1+..) keeps both, tanh its output, the last
+#     product 0.5*x and 1+tanh, and the output: 8.
+#   quick_gelu (x * sigmoid(1.702 * x)): x, the sigmoid's output, the output: 3.
+#   gelu_10 (clip(gelu(x), -10, 10)): x, gelu's output (clip's input), the output: 3.
+#   relu2 (square(relu(x))), laplace (0.5 * (1 + erf((x - mu) / ..))): an inner tensor and the output: 2.
+# A gated MLP (Llama's SwiGLU: down(act(gate(x)) * up(x))) keeps the up projection's output and
+# the product besides: the count + 2 (SiLU: 4, as measured for the gated MLPs counted before).
+ACTIVATIONS = {
+    "gelu": 2, "gelu_pytorch_tanh": 2, "silu": 2, "swish": 2, "mish": 2, "leaky_relu": 2, "relu6": 2,
+    "prelu": 2, "relu2": 2, "laplace": 2,
+    "relu": 1, "tanh": 1, "sigmoid": 1, "linear": 1,
+    "gelu_new": 5, "gelu_accurate": 5, "gelu_python_tanh": 5, "gelu_python": 4, "gelu_fast": 8,
+    "quick_gelu": 3, "gelu_10": 3,
+}
+# What a model that names no activation is counted with where it matters (a user's model): the
+# composed tanh GELU of GPT-2's configs (GPT2Config's default), which keeps 3 tensors more than a
+# fused one.
+ASSUMED_ACTIVATION = "gelu_new"
+
 
 # --- the model's shape ----------------------------------------------------------------------------
 
 def model_shape(layers: int, hidden: int, heads: int, vocab: int, seq_len: int, *, tied: bool = False,
                 params: int | None = None, largest_layer_params: int | None = None,
                 largest_param: int | None = None, intermediate: int | None = None, gated: bool = False,
-                positions: bool = True) -> dict:
+                positions: bool = True, activation: str | None = None) -> dict:
     """The shape the prediction needs. Parameter counts default to train/model.py's Transformer:
     token and learned position embeddings, blocks of qkv/proj/fc/out without bias and two
     LayerNorms, a final LayerNorm and an untied output layer (tied=True drops it).
     intermediate: the MLP's width (default 4 x hidden); gated: a gated MLP (Llama's SwiGLU: gate,
-    up and down projections); positions=False: no learned position embedding (rotary)."""
+    up and down projections); positions=False: no learned position embedding (rotary);
+    activation: the MLP's activation, a key of ACTIVATIONS (default: torch's fused F.gelu as
+    train/model.py's, silu for a gated MLP; both keep 2 tensors of the MLP's width)."""
+    if activation is None:
+        activation = "silu" if gated else "gelu"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: one of {', '.join(sorted(ACTIVATIONS))}")
     inner = int(intermediate) if intermediate else 4 * hidden
     per_layer = 4 * hidden * hidden + (3 if gated else 2) * hidden * inner + 4 * hidden
     if params is None:
@@ -81,7 +132,7 @@ def model_shape(layers: int, hidden: int, heads: int, vocab: int, seq_len: int, 
         params += 0 if tied else vocab * hidden
     biggest = max(vocab * hidden, seq_len * hidden if positions else 0, 4 * hidden * hidden, hidden * inner)
     return {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq_len,
-            "tied": tied, "intermediate": inner, "gated": bool(gated),
+            "tied": tied, "intermediate": inner, "gated": bool(gated), "activation": activation,
             "params": int(params), "layer_params": per_layer,
             # DeepSpeed's model_to_params: the module with the most parameters of its own.
             "largest_layer_params": int(largest_layer_params if largest_layer_params is not None else biggest),
@@ -200,6 +251,8 @@ def activation_bytes(shape: dict, micro_batch: int, precision: str = "bf16", att
     keeps only its input, and one block at a time is recomputed in the backward.
     A MLP of another width (shape's intermediate I) saves 2*I/h elements (fc's and GELU's
     outputs), a gated one 4*I/h (gate, up, the activation and their product) in place of the 8.
+    An activation other than a fused one (shape's activation: ACTIVATIONS) keeps its own number
+    of I-wide tensors in place of the 2 (gelu_new: 5, so 20h where a fused GELU keeps 8h).
     attention_dropout (default: dropout) is the dropout on the attention probabilities apart from
     the residual ones (HF's attn_pdrop against resid_pdrop)."""
     if attention not in ATTENTIONS:
@@ -208,7 +261,8 @@ def activation_bytes(shape: dict, micro_batch: int, precision: str = "bf16", att
     s, b, h, a, L = shape["seq_len"], micro_batch, shape["hidden"], shape["heads"], shape["layers"]
     sbh = s * b * h
     inner = shape.get("intermediate") or 4 * h
-    mlp = 4 * inner if shape.get("gated") else 2 * inner
+    kept = ACTIVATIONS[shape.get("activation") or ("silu" if shape.get("gated") else "gelu")]
+    mlp = (kept + (2 if shape.get("gated") else 0)) * inner
     per_layer = (8 * h + mlp) * p * s * b + (2 * sbh if dropout else 0) + 16 * s * b
     if attention_dropout is None:
         attention_dropout = dropout
@@ -339,6 +393,10 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
     total = sum(parts.values())
     s, b, h = shape["seq_len"], micro_batch, shape["hidden"]
     ckpt = activation_checkpointing
+    activation = shape.get("activation") or ("silu" if shape.get("gated") else "gelu")
+    inner = shape.get("intermediate") or 4 * h
+    # elements per token and hidden unit saved per block: 8 outside the MLP, the MLP's own
+    elements = 8 + (ACTIVATIONS[activation] + (2 if shape.get("gated") else 0)) * inner / h
     how = {
         "model_states": f"{est['method']}(params={N}, gpus_per_node={gpus_per_node}, nodes={nodes}"
                         + (f", largest_layer={shape['largest_layer_params']}" if stage == 3 else "")
@@ -351,8 +409,9 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
         "zero_buffers": how_buf + (f"; + {how_extra}" if phase == "first-gradient" else ""),
         "accumulation": how_accum if phase != "step" else "not counted at the step",
         "activations": (f"{s}x{b}x{h} tokens x hidden: " +
-                        (f"{shape['layers']} layers x {act['per_layer']} B (16 x {p} B/element saved per "
-                         f"block, attention {attention}" + (", dropout" if dropout else "") + ")"
+                        (f"{shape['layers']} layers x {act['per_layer']} B ({elements:g} x {p} B/element saved per "
+                         f"block, attention {attention}, activation {activation}"
+                         + (", dropout" if dropout else "") + ")"
                          if not ckpt else
                          f"checkpointing: {shape['layers']} block inputs x {p} B + one block recomputed")
                         + f" + final LayerNorm {act['head']} B" if phase != "step" else "freed at the step"),
@@ -390,8 +449,9 @@ def main(argv=None):
     ap.add_argument("--gpus-per-node", type=int, default=1)
     ap.add_argument("--precision", default="bf16", choices=sorted(PRECISION_BYTES))
     ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--activation", default="gelu", choices=sorted(ACTIVATIONS))
     a = ap.parse_args(argv)
-    shape = model_shape(*SIZES[a.size], a.vocab, a.seq_len)
+    shape = model_shape(*SIZES[a.size], a.vocab, a.seq_len, activation=a.activation)
     r = predict(shape, a.preset, a.micro_batch, a.world, a.gpus_per_node, precision=a.precision,
                 activation_checkpointing=a.checkpointing, grad_accum=a.grad_accum)
     print(json.dumps({k: r[k] for k in ("total_gib", "phase", "parts", "how")}, indent=1))

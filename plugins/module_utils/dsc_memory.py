@@ -61,6 +61,9 @@ HF_KEYS = {
 HF_RESID_DROPOUT = ("resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
                     "residual_dropout", "embd_dropout")
 HF_ATTN_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+# The MLP's activation (transformers' ACT2FN name): GPT-2/GPT-J/GPT-Neo's activation_function, Gemma's
+# hidden_activation (which its MLP reads first), BERT/Llama's hidden_act.
+HF_ACTIVATION = ("activation_function", "hidden_activation", "hidden_act")
 # Attention implementations as the prediction counts them: eager keeps the probabilities (a*s*s
 # per sequence), the fused kernels (sdpa, flash, flex) only a log-sum-exp per row.
 ATTENTION_KINDS = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa", "flash_attention_2": "sdpa",
@@ -74,8 +77,8 @@ GATED_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2
 def hf_config_shape(cfg: dict) -> tuple[dict, list]:
     """(what an HF config.json says of the prediction's inputs, notes on what it left to an
     assumption): layers, hidden, heads, vocab, seq_len, intermediate, gated, positions, tied,
-    attention, dropout, attention_dropout, logits. Keys it does not give are left out (the
-    caller's dsc_model_shape or assumption fills them)."""
+    activation, attention, dropout, attention_dropout, logits. Keys it does not give are left out
+    (the caller's dsc_model_shape or assumption fills them)."""
     out, notes = {}, []
     for name, keys in HF_KEYS.items():
         key = next((k for k in keys if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool)
@@ -90,6 +93,16 @@ def hf_config_shape(cfg: dict) -> tuple[dict, list]:
         out["gated"] = True
     if model_type in GATED_TYPES or any(k in cfg for k in ("rope_theta", "rope_scaling", "rotary_dim")):
         out["positions"] = False
+    act_key = next((k for k in HF_ACTIVATION if isinstance(cfg.get(k), str) and cfg[k]), None)
+    if act_key and cfg[act_key] in _memory.ACTIVATIONS:
+        out["activation"] = cfg[act_key]
+    elif act_key:
+        # not one the prediction knows: the one that keeps the most, said
+        costliest = max(_memory.ACTIVATIONS, key=lambda k: _memory.ACTIVATIONS[k])
+        out["activation"] = costliest
+        notes.append(f"activation {costliest}: config.json's {act_key} is {cfg[act_key]!r}, which the "
+                     f"prediction does not know, counted as {costliest} (of those it knows, the one that "
+                     f"keeps the most for backward); give dsc_model_shape.activation where you know better")
     # PretrainedConfig's default is true, and save_pretrained leaves a default out of the file.
     out["tied"] = bool(cfg.get("tie_word_embeddings", True))
     impl = cfg.get("_attn_implementation", cfg.get("attn_implementation"))
@@ -122,6 +135,8 @@ def hf_config_shape(cfg: dict) -> tuple[dict, list]:
 _memory = _load_file(_NAME, _PATH)
 GiB = _memory.GiB
 OVERHEAD_BYTES = _memory.OVERHEAD_BYTES
+ACTIVATIONS = _memory.ACTIVATIONS
+ASSUMED_ACTIVATION = _memory.ASSUMED_ACTIVATION
 model_shape = _memory.model_shape
 shape_from_config = _memory.shape_from_config
 ds_zero2_estimate = _memory.ds_zero2_estimate
@@ -132,6 +147,6 @@ activation_bytes = _memory.activation_bytes
 logits_bytes = _memory.logits_bytes
 predict = _memory.predict
 
-__all__ = ["train_shape", "hf_config_shape", "HF_KEYS", "ATTENTION_KINDS", "GiB", "OVERHEAD_BYTES", "model_shape", "shape_from_config", "ds_zero2_estimate",
+__all__ = ["train_shape", "hf_config_shape", "HF_KEYS", "ATTENTION_KINDS", "ACTIVATIONS", "ASSUMED_ACTIVATION", "GiB", "OVERHEAD_BYTES", "model_shape", "shape_from_config", "ds_zero2_estimate",
            "ds_zero3_estimate", "model_states", "zero_settings", "activation_bytes", "logits_bytes",
            "predict"]

@@ -1344,7 +1344,7 @@ AUTO_FACTOR, AUTO_RESERVE_MIB = 1.3, 1536
 MODEL_SHAPE_KEYS = ("layers", "hidden", "heads", "vocab", "seq_len")
 # What else dsc_model_shape takes (-> a check: the value or None when refused).
 MODEL_SHAPE_OPTIONS = ("activation_checkpointing", "attention", "dropout", "attention_dropout", "logits",
-                       "tied", "intermediate", "gated", "params", "config")
+                       "tied", "intermediate", "gated", "params", "activation", "config")
 LOGITS = ("fp32", "bf16", "fp16")
 
 
@@ -1363,6 +1363,9 @@ def _shape_value(key, value):
         return dsc_memory.ATTENTION_KINDS.get(str(value))
     if key == "logits":
         return str(value) if str(value) in LOGITS else None
+    if key == "activation":  # transformers' ACT2FN name, as an HF config's activation_function
+        import dsc_memory
+        return str(value) if str(value) in dsc_memory.ACTIVATIONS else None
     if key == "config":
         return str(value) if isinstance(value, str) and value and "\n" not in value else None
     return None
@@ -1432,8 +1435,9 @@ def _model_shape(opt, entry, problems, s=None):
             + f". Fix: {', '.join(MODEL_SHAPE_KEYS)} (positive whole numbers), and optionally "
             f"attention ({' | '.join(dsc_memory.ATTENTION_KINDS)}), dropout and attention_dropout "
             f"(a probability or true/false), logits ({' | '.join(LOGITS)}), tied, gated and "
-            f"activation_checkpointing (true/false), intermediate and params (whole numbers), config "
-            f"(the path of an HF config.json).")
+            f"activation_checkpointing (true/false), intermediate and params (whole numbers), activation "
+            f"(the MLP's, as an HF config's activation_function: "
+            f"{' | '.join(sorted(dsc_memory.ACTIVATIONS))}), config (the path of an HF config.json).")
         return None
     cfg, cfg_path = _hf_config(given, entry, s, problems)
     values, assumed = dsc_memory.hf_config_shape(cfg) if cfg else ({}, [])
@@ -1465,6 +1469,14 @@ def _model_shape(opt, entry, problems, s=None):
         values["logits"] = "fp32"
         assumed.append("logits fp32 in the loss (the larger); give dsc_model_shape.logits: "
                        "bf16 where your loss takes 16-bit logits")
+    if "activation" not in values:
+        values["activation"] = dsc_memory.ASSUMED_ACTIVATION
+        assumed.append(f"activation {dsc_memory.ASSUMED_ACTIVATION} (" + (
+                       "config.json names no activation_function or hidden_act" if cfg_path else "not given")
+                       + f"; GPT2Config's default, composed of tensor ops that keep "
+                       f"{dsc_memory.ACTIVATIONS[dsc_memory.ASSUMED_ACTIVATION]} tensors of the MLP's width "
+                       f"for backward where a fused GELU keeps 2); give dsc_model_shape.activation: gelu "
+                       f"(or yours: silu, gelu_pytorch_tanh, ...) where your MLP runs a fused one")
     if "tied" not in values:
         values["tied"] = False
         assumed.append("untied embeddings: an output layer of its own (the larger); give "
@@ -1472,7 +1484,7 @@ def _model_shape(opt, entry, problems, s=None):
     shape = dsc_memory.model_shape(
         *(values[k] for k in MODEL_SHAPE_KEYS), tied=values["tied"], params=values.get("params"),
         intermediate=values.get("intermediate"), gated=bool(values.get("gated")),
-        positions=values.get("positions", True))
+        positions=values.get("positions", True), activation=values["activation"])
     return {"shape": shape, "checkpointing": bool(values.get("activation_checkpointing", False)),
             "attention": values["attention"], "dropout": bool(values["dropout"]),
             "attention_dropout": bool(values["attention_dropout"]),
@@ -1633,6 +1645,7 @@ def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
               f"{model['shape']['heads']} heads, vocab {model['shape']['vocab']}, seq_len {model['shape']['seq_len']}, "
               f"attention {model['attention']}, dropout {'on' if model['dropout'] else 'off'}"
               f"{' (attention dropout on)' if model['attention_dropout'] and not model['dropout'] else ''}, "
+              f"activation {model['shape'].get('activation', 'gelu')}, "
               f"logits {'fp32' if model['logits_fp32'] else bits}, {'tied' if model['shape']['tied'] else 'untied'} "
               f"embeddings{', activation checkpointing' if model['checkpointing'] else ''}"] + \
              [f"  assumed: {a}" for a in model["assumed"]]
