@@ -28,7 +28,7 @@ def test_healthy_cluster_passes_with_network_figures(provisioned, cluster, tmp_p
         [x for x in rep["checks"] if x["status"] != "PASS"]
     for check in ("reachable", "ssh from master", "names", "env and versions", "slots", "driver", "disk",
                   "tcp to master port", "firewall", "interface", "clock", "iperf3", "op build locks",
-                  "helper owner"):
+                  "helper owner", "root paths"):
         assert {x["node"] for x in rows(rep, check)} == set(cluster.names), check
     assert rows(rep, "master port", "PASS") and rows(rep, "inventory", "PASS")
     iperf = rep["measured"]["iperf3"]
@@ -39,7 +39,7 @@ def test_healthy_cluster_passes_with_network_figures(provisioned, cluster, tmp_p
     assert all(abs(x["busbw_gbps"] - x["algbw_gbps"]) < 1e-3 for x in ar["rows"])
     figures("preflight", iperf3_gbit_s={k: v["gbps"] for k, v in iperf.items()},
             allreduce_busbw_gb_s={x["bytes"]: x["busbw_gbps"] for x in ar["rows"]})
-    assert len(rep["checks"]) == 34 and "34 passed, 0 warnings, 0 failed" in r.output
+    assert len(rep["checks"]) == 36 and "36 passed, 0 warnings, 0 failed" in r.output
     # The all-reduce's run directory is not left behind to be taken for a training run.
     left = cluster.exec(cluster.master, "ls /opt/dscluster/runs | grep -c '^preflight-' || true").stdout.strip()
     assert left == "0"

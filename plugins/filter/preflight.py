@@ -85,7 +85,8 @@ def root_paths_verdict(node, report, train_user):
     import dsc_plan  # pure Python
     if report is None:
         return ("WARN", "the node helper did not report them (older helper)", "re-run provision.yml")
-    problems = dsc_plan.root_path_problems(node, report, train_user)
+    # The only data dir preflight sees is a shared one (dsc_data_shared), which nothing writes.
+    problems = dsc_plan.root_path_problems(node, report, train_user, data=False)
     if problems:
         detail, _, fix = problems[0].partition(" Fix: ")
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -651,7 +651,8 @@ def root_path_problems(node, report, train_user, data=True):
                        f"installs it); nothing was changed.")
             elif last and role in ("made", "user") and c.get("user") != train_user and (
                     c.get("uid") != 0 or var == "dsc_data_dir"):  # synced as the user, never chowned
-                msg = (f"{where}, and {p} is owned by {c.get('user', '?')}, not {train_user} or root. "
+                owners = train_user if var == "dsc_data_dir" else f"{train_user} or root"
+                msg = (f"{where}, and {p} is owned by {c.get('user', '?')}, not {owners}. "
                        f"Fix: point {var} at a path of {train_user}'s, or chown -R {train_user}: {p} "
                        f"if it is theirs; nothing was changed.")
             elif not last and role in ("root", "made") and c.get("uid") != 0:

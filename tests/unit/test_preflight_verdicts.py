@@ -121,3 +121,8 @@ def test_root_paths_row_fails_on_a_planted_link_naming_the_path_and_the_fix():
     assert status == "FAIL" and "/opt/dscluster/runs is a link to /etc owned by dstrain" in detail
     assert "dsc_run_root on host node1" in detail and fix.startswith("remove the link (rm /opt/dscluster/runs")
     assert preflight.root_paths_verdict("node1", None, "dstrain")[0] == "WARN"
+    # A shared dataset (dsc_data_shared: the only data dir preflight checks) is read, never
+    # written: a root-owned one passes (the plan checks a synced data dir at launch).
+    shared = clean + [{"var": "dsc_data_dir", "path": "/data/shared", "role": "user",
+                       "chain": chain(("/", "dir", "root"), ("/data", "dir", "root"), ("/data/shared", "dir", "root"))}]
+    assert preflight.root_paths_verdict("node1", shared, "dstrain")[0] == "PASS"
