@@ -7,7 +7,9 @@ import os
 import time
 from pathlib import Path
 
-TIERS = {"tests/unit": "unit", "tests/local": "local", "molecule/tests": "container"}
+# molecule/default/tests: the verify step of test_molecule.py (inside the container tier).
+TIERS = {"tests/unit": "unit", "tests/local": "local", "molecule/tests": "container",
+         "molecule/default/tests": "molecule verify"}
 _seen = {}
 
 
