@@ -18,16 +18,8 @@
 set -uo pipefail
 wheels=$(realpath "$1"); coll=$(realpath "$2"); ref=$(realpath "$3"); presets=${4:-zero2}; refs=${5:-}
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
-py=/opt/torch/.venv/bin/python3
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# Control-node tools beside the image's python (which has jinja2, yaml, packaging), in a folder of
-# their own named only for ansible-playbook's own process.
-if [ ! -f /tmp/anssite/bin/ansible-playbook ]; then
-  $py -m pip install -q --no-index --no-deps --target /tmp/anssite "$wheels"/ansible_core-*.whl \
-    "$wheels"/resolvelib-*.whl "$wheels"/cryptography-*.whl "$wheels"/cffi-*.whl "$wheels"/pycparser-*.whl || exit 1
-  mkdir -p /tmp/anssite/collections && tar -C /tmp/anssite/collections -xzf "$coll"
-fi
-export ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels
+. "$(dirname "$0")/gpu_ansible.sh"
+gpu_ansible "$wheels" "$coll" || exit 1
 ap() { PYTHONPATH=/tmp/anssite $py /tmp/anssite/bin/ansible-playbook -i "${INVENTORY:-inventory/gpu-local}" "$@"; }
 echo "image TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} (the toolkit renders its own from nvidia-smi)"
 if [ ! -f /tmp/dsc-provision.done ]; then

@@ -8,16 +8,11 @@
 #   bench/gpu_launch.sh WHEELS clm OUT_DIR [bench/gpu_clm.py options]   (run_clm.py: launch.yml vs by hand)
 set -euo pipefail
 wheels=$(realpath "$1"); out=$2; reps=${3:-2}
-py=/opt/torch/.venv/bin/python3
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if [ ! -f /tmp/anssite/bin/ansible-playbook ]; then
-  $py -m pip install -q --no-index --no-deps --target /tmp/anssite "$wheels"/ansible_core-*.whl \
-    "$wheels"/resolvelib-*.whl "$wheels"/cryptography-*.whl "$wheels"/cffi-*.whl "$wheels"/pycparser-*.whl
-  mkdir -p /tmp/anssite/collections && tar -C /tmp/anssite/collections -xzf "$wheels/collections.tgz"
-fi
+. "$(dirname "$0")/gpu_ansible.sh"
+gpu_ansible "$wheels" "$wheels/collections.tgz" || exit 1
 printf '#!/bin/sh\nPYTHONPATH=/tmp/anssite exec %s /tmp/anssite/bin/ansible-playbook "$@"\n' "$py" > /tmp/ansible-playbook
 chmod +x /tmp/ansible-playbook
-export ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels DSC_ANSIBLE_PLAYBOOK=/tmp/ansible-playbook
+export DSC_ANSIBLE_PLAYBOOK=/tmp/ansible-playbook
 if [ "$out" = clm ]; then
   exec $py bench/gpu_clm.py --out "$3" "${@:4}"
 fi

@@ -22,14 +22,9 @@ hand=${3-"eager:zero2:8 eager:zero1:8 eager:zero2:4 eager:zero1:4 eager:zero3:8 
 steps=${STEPS:-12} timed=${TIMED:-8}
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"; logs=/tmp/user-auto-logs; mkdir -p $logs
 res=$out/user-auto.jsonl
-py=/opt/torch/.venv/bin/python3 code=$PWD/bench/user_gpt2 runs=/opt/dscluster/runs
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if [ ! -f /tmp/anssite/bin/ansible-playbook ]; then
-  $py -m pip install -q --no-index --no-deps --target /tmp/anssite "$wheels"/ansible_core-*.whl \
-    "$wheels"/resolvelib-*.whl "$wheels"/cryptography-*.whl "$wheels"/cffi-*.whl "$wheels"/pycparser-*.whl || exit 1
-  mkdir -p /tmp/anssite/collections && tar -C /tmp/anssite/collections -xzf "$wheels/collections.tgz"
-fi
-export ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels
+code=$PWD/bench/user_gpt2 runs=/opt/dscluster/runs
+. "$(dirname "$0")/gpu_ansible.sh"
+gpu_ansible "$wheels" "$wheels/collections.tgz" || exit 1
 inv=/tmp/user-auto-inventory
 if [ ! -d $inv ]; then
   cp -r inventory/gpu-local $inv
