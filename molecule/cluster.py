@@ -198,6 +198,10 @@ def provisioned_image():
     r = builder.playbook("provision.yml")
     if r.returncode != 0:
         raise RuntimeError(f"provision.yml on the image's node failed:\n{r.output[-6000:]}")
+    # The image's nodes boot with ufw not enabled, like a node the toolkit has not yet made part of
+    # a cluster: the builder's rules (its own address and SSH port, default-deny) would shut out
+    # the control node from a node with another port. The cluster's provision.yml enables ufw.
+    sh("podman", "exec", PREFIX + builder.master, "sed", "-i", "s/^ENABLED=yes/ENABLED=no/", "/etc/ufw/ufw.conf")
     sh("podman", "commit", "-q", PREFIX + builder.master, tag)
     log.write_text(r.output)
     down()
