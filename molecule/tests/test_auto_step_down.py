@@ -6,8 +6,9 @@ import json
 RUNS = "/opt/dscluster/runs"
 # What auto is told of the model (its candidates come from this; the script's real model is tiny):
 # on CPU nodes with 16 GiB per rank, auto chooses micro-batch 8 and steps down to 4, then 2.
+# A complete shape (nothing assumed): a fused GELU, as train/model.py's.
 SHAPE = {"layers": 2, "hidden": 64, "heads": 2, "vocab": 512, "seq_len": 8192, "attention": "eager",
-         "dropout": 0, "tied": True}
+         "dropout": 0, "tied": True, "activation": "gelu"}
 # A DeepSpeed-style script that runs out of memory above micro-batch 4, as a GPU would.
 SCRIPT = """import argparse
 import deepspeed
