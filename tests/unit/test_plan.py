@@ -1495,3 +1495,16 @@ def test_the_activation_is_read_from_an_hf_config_and_an_unknown_one_counted_as_
     p, errors = auto_plan(143771, dict(users_code(tmp_path), dsc_model_shape={
         "layers": 2, "hidden": 64, "heads": 2, "vocab": 100, "seq_len": 64, "activation": "gelu_fancy"}))
     assert any("bad values for ['activation']" in e and "gelu_new" in e for e in errors), errors
+
+
+def test_the_step_down_test_s_shape_gives_the_choice_it_is_built_on(tmp_path):
+    """molecule/tests/test_auto_step_down.py's model on two CPU nodes with 16 GiB per rank: auto
+    chooses zero3 at micro-batch 8 and steps down to 4, then 2 (its script fails above 4)."""
+    shape = {"layers": 2, "hidden": 64, "heads": 2, "vocab": 512, "seq_len": 8192, "attention": "eager",
+             "dropout": 0, "tied": True, "activation": "gelu"}
+    opts = dict(users_code(tmp_path), dsc_model_shape=shape, dsc_train_batch=32, dsc_auto_memory_gib=16)
+    p, errors = plan(options=opts, full_run=True)
+    assert errors == [], errors
+    lines = "\n".join(p["run"]["auto"])
+    assert "preset=auto chose zero3 at micro-batch 8" in lines, lines
+    assert "steps down to: zero3 micro-batch 4, then zero3 micro-batch 2" in lines, lines
