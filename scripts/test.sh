@@ -32,9 +32,9 @@ tier() {
   return "$rc"
 }
 summary() {
+  if [ -f .cache/test-figures.jsonl ]; then echo "== figures the tests measured"; cat .cache/test-figures.jsonl; fi
   echo "== where the time went ($DSC_TIMINGS)"
   [ -x .venv/bin/python ] && [ -f "$DSC_TIMINGS" ] && .venv/bin/python scripts/timings.py "$DSC_TIMINGS" || true
-  if [ -f .cache/test-figures.jsonl ]; then echo "== figures the tests measured"; cat .cache/test-figures.jsonl; fi
 }
 trap summary EXIT
 wants() { [[ " $tiers " == *" $1 "* ]]; }

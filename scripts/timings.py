@@ -4,8 +4,8 @@ playbooks (plugins/callback/dsc_timings.py) appended to one file:
     python3 scripts/timings.py .cache/timings.jsonl
 
 Prints the set-up phases, the totals per tier, the slowest ten tests (set-up + call + tear-down:
-a session fixture's cost lands on the first test that asks for it), and the playbooks' time by
-playbook and by task.
+a session fixture's cost lands on the first test that asks for it), the playbooks' time by
+playbook and by task, and last the outcomes over every tier ("suite: N passed, N failed, ...").
 """
 import json
 import sys
@@ -44,6 +44,9 @@ def summary(lines):
         out += [f"  {name:<16} {n:>4} runs {s:>8.1f} s" for name, (n, s) in sorted(by_book.items(), key=lambda x: -x[1][1])]
         out.append("tasks with the most time over all playbook runs (seconds):")
         out += [f"  {s:>8.1f}  {task}" for task, s in sorted(by_task.items(), key=lambda x: -x[1])[:15]]
+    if tests:
+        count = {k: sum(t.get("outcome") == k for t in tests) for k in ("passed", "failed", "skipped")}
+        out.append(f"suite: {count['passed']} passed, {count['failed']} failed, {count['skipped']} skipped")
     return "\n".join(out)
 
 
