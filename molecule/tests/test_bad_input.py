@@ -17,6 +17,9 @@ CASES = [
     ({"cluster_network_firewall_backend": "iptables"},
      ["value of cluster_network_firewall_backend must be one of: auto, ufw, firewalld, got: iptables",
       "fatal: [node1]"]),
+    # A trailing newline (a second argument to a command line) and a system directory as a root.
+    ({"dsc_run_root": "/opt/dscluster/runs\n"}, ["dsc_run_root on host node1 holds a control character ('\\n')"]),
+    ({"dsc_run_root": "/etc"}, ["dsc_run_root on host node1 is '/etc', in the system tree /etc"]),
 ]
 
 
@@ -63,3 +66,15 @@ def test_a_launch_with_hostile_values_is_refused_and_nothing_planted_runs(cluste
         assert all(v.get("changed", 0) == 0 for v in result.recap.values()), result.recap
     for node in cluster.names:
         assert cluster.exec(node, "test -e /tmp/pwned", check=False).returncode != 0
+
+
+def test_a_jinja2_header_in_an_e_value_is_refused_before_it_runs(cluster, tmp_path):
+    """A '#jinja2:' header sets its own delimiters: Ansible would run the lookup on the control
+    node. Refused in the first play, before any node is reached; the lookup never ran."""
+    marker = tmp_path / "header-ran"
+    preset = ("#jinja2:variable_start_string:'[%', variable_end_string:'%]'\n"
+              f"[% lookup('pipe', 'touch {marker}') %]zero2")
+    r = cluster.playbook("launch.yml", "-e", json.dumps({"preset": preset, "dry_run": True}))
+    assert r.returncode != 0 and "preset holds a Jinja template" in r.output, r.output[-3000:]
+    assert not marker.exists(), "a template in an -e value ran on the control node"
+    assert all(v.get("changed", 0) == 0 for v in r.recap.values()), r.recap
