@@ -39,8 +39,11 @@ index=()
 "$py" -m pip download -q --disable-pip-version-check "${index[@]}" -d "$dir" \
   "torch==$torch" "deepspeed==$ds" "${reqs[@]}"
 # DeepSpeed ships as an sdist: build it once here into a pure-python wheel (ops JIT-built on nodes).
+# A wheel already built is kept: a rebuild's bytes (and so the lock's hash) differ every time.
 if [ -f "$dir/deepspeed-$ds.tar.gz" ]; then
-  "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dir" "$dir/deepspeed-$ds.tar.gz"
+  if ! ls "$dir"/deepspeed-"$ds"-*.whl >/dev/null 2>&1; then
+    "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dir" "$dir/deepspeed-$ds.tar.gz"
+  fi
   rm -f "$dir/deepspeed-$ds.tar.gz"
 fi
 lock
