@@ -4,6 +4,7 @@ address and sshd, reached over SSH with a key and a pinned known_hosts, as a use
     python3 molecule/cluster.py up [--nodes 2]     # start (or reuse) the cluster, write its inventory
     python3 molecule/cluster.py down               # remove containers and network
     python3 molecule/cluster.py env                # print the inventory path
+    python3 molecule/cluster.py image              # make (or reuse) the provisioned node image
 
 The inventory lands in $DSC_TEST_STATE (default .cache/testcluster)/inventory. Node 2 runs sshd on a
 non-default port, so that every test also exercises the port plumbing. A container named
@@ -24,19 +25,35 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STATE = Path(os.environ.get("DSC_TEST_STATE", ROOT / ".cache" / "testcluster"))
+# Two clusters can run side by side (scripts/test.sh splits the container tier between them):
+# $DSC_TEST_CLUSTER (0, the default, or 1) picks the containers' names, network and state.
+INDEX = int(os.environ.get("DSC_TEST_CLUSTER", "0"))
+SUFFIX = str(INDEX) if INDEX else ""
+STATE = Path(os.environ.get("DSC_TEST_STATE", ROOT / ".cache" / f"testcluster{SUFFIX}"))
 IMAGE = os.environ.get("DSC_IMAGE", "localhost/dscluster-node:bookworm")
 # systemd as PID 1 with dbus and firewalld (scripts/node-systemd.Containerfile).
 SYSTEMD_IMAGE = os.environ.get("DSC_SYSTEMD_IMAGE", "localhost/dscluster-node:bookworm-systemd")
-NETWORK = "dsc-test"
-SUBNET = "10.89.77.0/24"
-SUBNET6 = "fd89:77::/64"
-PREFIX = "dsc-"
+NETWORK = f"dsc-test{SUFFIX}"
+SUBNET = f"10.89.{77 + INDEX}.0/24"
+SUBNET6 = f"fd89:{77 + INDEX}::/64"
+PREFIX = f"dsc{SUFFIX}-"
 # Where provision.yml installs the node helper, and the default run root.
 HELPER = "/usr/local/lib/dscluster/dsc_node.py"
 RUNS = "/opt/dscluster/runs"
 OUTSIDER = PREFIX + "outsider"
-OUTSIDER_IP, OUTSIDER_IP6 = "10.89.77.200", "fd89:77::200"
+
+
+def addr(host):
+    """The test network's IPv4 address ending in `host`."""
+    return SUBNET.rsplit(".", 1)[0] + f".{host}"
+
+
+def addr6(host):
+    """The test network's IPv6 address ending in `host`."""
+    return SUBNET6.split("::")[0] + f"::{host}"
+
+
+OUTSIDER_IP, OUTSIDER_IP6 = addr(200), addr6(200)
 NONDEFAULT_SSH_PORT = 2222
 # torch's and DeepSpeed's pinned versions (requirements/pins.env), as the nodes should have them.
 # What the tests install beside the wheelhouse (scripts/test.sh fetches it before the tests).
@@ -62,11 +79,11 @@ def node_name(i):
 
 
 def node_ip(i):
-    return f"10.89.77.{10 + i}"
+    return addr(10 + i)
 
 
 def node_ip6(i):
-    return f"fd89:77::{10 + i}"
+    return addr6(10 + i)
 
 
 def ssh_port(i):
@@ -180,7 +197,8 @@ def provision_digest():
     files = [ROOT / p for p in PROVISION_INPUTS] + [wheelhouse / "requirements.lock"]
     for top in files:
         for f in sorted([top] if top.is_file() else top.rglob("*")):
-            if f.is_file() and "__pycache__" not in f.parts:
+            # Callbacks shape only what a playbook prints, never what it installs.
+            if f.is_file() and "__pycache__" not in f.parts and not f.is_relative_to(ROOT / "plugins" / "callback"):
                 h.update(f"{f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name}\0".encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -275,6 +293,10 @@ def recap(output):
     return out
 
 
+# Ansible's fact cache for this cluster's nodes (every cluster names its nodes node1, node2, ...).
+FACTS = STATE / "facts"
+
+
 class Cluster:
     """The running test cluster, as tests and benchmarks drive it."""
 
@@ -293,6 +315,7 @@ class Cluster:
         # next cluster at the same addresses (the image's node, then the test cluster).
         env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0",
                    ANSIBLE_CALLBACKS_ENABLED="dsc_timings", ANSIBLE_SSH_CONTROL_PATH_DIR=str(STATE / "cp"),
+                   ANSIBLE_CACHE_PLUGIN_CONNECTION=str(FACTS),
                    PATH=f"{VENV_BIN}:{os.environ['PATH']}", **(env or {}))
         t0 = time.time()
         r = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(inventory or self.inventory), name, *args],
@@ -384,7 +407,7 @@ def wait(cond, timeout, what, every=1.0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=["up", "down", "env"])
+    p.add_argument("action", choices=["up", "down", "env", "image"])
     p.add_argument("--nodes", type=int, default=int(os.environ.get("DSC_TEST_NODES", "2")))
     a = p.parse_args(argv)
     if a.action == "up":
@@ -392,6 +415,8 @@ def main(argv=None):
         print(STATE / "inventory")
     elif a.action == "down":
         down()
+    elif a.action == "image":
+        print(provisioned_image()[0])
     else:
         print(STATE / "inventory")
 

@@ -31,7 +31,14 @@ tier() {
   if [ "$rc" -eq 5 ]; then echo "pytest collected no tests in the $name tier: that is a failure"; return 1; fi
   return "$rc"
 }
+t_start=$(date +%s%N)
 summary() {
+  local ms=$(( ($(date +%s%N) - t_start) / 1000000 ))
+  printf '{"kind": "wall", "seconds": %d.%03d}\n' $((ms / 1000)) $((ms % 1000)) >>"$DSC_TIMINGS"
+  # A tier that failed first leaves no background job behind (the image build).
+  local jobs_left
+  jobs_left=$(jobs -pr)
+  [ -z "$jobs_left" ] || kill $jobs_left 2>/dev/null || true
   if [ -f .cache/test-figures.jsonl ]; then echo "== figures the tests measured"; cat .cache/test-figures.jsonl; fi
   echo "== where the time went ($DSC_TIMINGS)"
   [ -x .venv/bin/python ] && [ -f "$DSC_TIMINGS" ] && .venv/bin/python scripts/timings.py "$DSC_TIMINGS" || true
@@ -44,13 +51,6 @@ if wants unit; then phase "unit tier" tier unit tests/unit -q -rs; fi
 
 if wants local || wants container; then
   phase "wheelhouse" env REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
-fi
-if wants local; then
-  if [ ! -x .cache/train-venv/bin/deepspeed ]; then
-    phase "train venv (offline, from the wheelhouse)" bash -c \
-      'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
-  fi
-  phase "local tier" tier local tests/local -v -rs --durations=5
 fi
 
 if wants container; then
@@ -75,7 +75,50 @@ if wants container; then
     }
     phase "test packages (.cache/test-packages)" fetch_test_packages
   fi
-  phase "removing what an earlier, killed run left behind" .venv/bin/python molecule/cluster.py down
+  for c in 0 1; do
+    phase "removing what an earlier, killed run left behind (cluster $c)" env DSC_TEST_CLUSTER=$c .venv/bin/python molecule/cluster.py down
+  done
+  # The provisioned node image (provision.yml on one node of the bare image, committed) builds
+  # while the local tier runs: each alone leaves one of two cores idle much of the time.
+  phase "provisioned node image (beside the local tier)" .venv/bin/python molecule/cluster.py image \
+    >.cache/image-build.log 2>&1 &
+  image_job=$!
+fi
+
+if wants local; then
+  if [ ! -x .cache/train-venv/bin/deepspeed ]; then
+    phase "train venv (offline, from the wheelhouse)" bash -c \
+      'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
+  fi
+  phase "local tier" tier local tests/local -v -rs --durations=5
+fi
+
+# container_tier [pytest args]: with no args, the tier's files split between two clusters that run
+# at once (DSC_TEST_CLUSTER 0 and 1: their own containers, network, state and pytest tmp dirs),
+# each file on one cluster; with args (a -k, a file), one cluster runs what they select.
+# SECOND_CLUSTER holds about half the tier's time (scripts/timings.py prints each file's seconds).
+SECOND_CLUSTER="test_faults test_run_control test_preflight test_privilege test_links test_auto_step_down"
+container_tier() {
+  local args=(-v -rs --durations=15 -p no:cacheprovider)
+  if [ $# -gt 0 ]; then tier container molecule/tests "${args[@]}" "$@"; return; fi
+  local first=() second=() f rc0=0 rc1=0
+  for f in molecule/tests/test_*.py; do
+    if [[ " $SECOND_CLUSTER " == *" $(basename "$f" .py) "* ]]; then second+=("$f"); else first+=("$f"); fi
+  done
+  DSC_TEST_CLUSTER=1 tier "container (cluster 1)" "${second[@]}" "${args[@]}" --basetemp=.cache/pytest-tmp1 \
+    >.cache/container-tier-1.log 2>&1 &
+  local second_job=$!
+  DSC_TEST_CLUSTER=0 tier "container (cluster 0)" "${first[@]}" "${args[@]}" --basetemp=.cache/pytest-tmp0 || rc0=$?
+  wait "$second_job" || rc1=$?
+  echo "== container tier, cluster 1 (.cache/container-tier-1.log)"
+  cat .cache/container-tier-1.log
+  [ "$rc0" -eq 0 ] && [ "$rc1" -eq 0 ]
+}
+
+if wants container; then
+  echo "== waiting for the provisioned node image (.cache/image-build.log)"
+  if ! wait "$image_job"; then cat .cache/image-build.log; exit 1; fi
+  tail -1 .cache/image-build.log
   rm -f .cache/test-figures.jsonl
-  phase "container tier" tier container molecule/tests -v -rs --durations=15 "$@"
+  phase "container tier" container_tier "$@"
 fi

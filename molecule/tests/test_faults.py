@@ -68,7 +68,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
         launch(cluster, run_id, 100000, 5)
         cluster.wait_checkpoint(run_id, 5)
         t0 = time.time()
-        subprocess.run(["podman", "stop", "-t", "0", "dsc-" + worker], check=True, capture_output=True)
+        subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + worker], check=True, capture_output=True)
         wait(lambda: nothing_left(cluster, [cluster.master], run_id), EXIT_BOUND_S["node"],
              "every process of the run on the master to exit")
         elapsed = time.time() - t0
@@ -78,7 +78,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: failed" in shown.output and f"{worker}: unreachable" in shown.output, shown.output[-3000:]
     finally:
-        subprocess.run(["podman", "start", "dsc-" + worker], check=False, capture_output=True)
+        subprocess.run(["podman", "start", testcluster.PREFIX + worker], check=False, capture_output=True)
         testcluster.wait_ssh([h for h in cluster.info["hosts"] if h["name"] == worker])
         # The node is back as after a reboot: provision.yml restores what lived in memory (the
         # firewall's rules), and nothing of the run survived on it.

@@ -10,7 +10,7 @@ import pytest
 import cluster as tc
 
 GATEWAY = tc.SUBNET.rsplit(".", 1)[0] + ".1"  # the control node as the nodes see it
-NODES = [{"name": f"fwd{i}", "ip": f"10.89.77.{30 + i}", "ip6": f"fd89:77::{30 + i}", "port": 22}
+NODES = [{"name": f"fwd{i}", "ip": tc.addr(30 + i), "ip6": tc.addr6(30 + i), "port": 22}
          for i in (1, 2)]
 FIREWALLD = "cluster_network_firewall_backend: firewalld\ncluster_network_default_deny: true\n"
 
@@ -85,13 +85,13 @@ def test_firewalld_master_port_and_ssh_reach_only_from_the_cluster(fwd, cluster)
 def test_firewalld_removes_what_the_toolkit_added_and_no_longer_wants(fwd, cluster):
     """An SSH source listed on one run and dropped on the next: its rule goes, the site's own
     rule (added by hand, not recorded) stays."""
-    site = 'rule family="ipv4" source address="10.89.77.98" port port="22" protocol="tcp" accept'
-    old = 'rule family="ipv4" source address="10.89.77.99" port port="22" protocol="tcp" accept'
+    site = f'rule family="ipv4" source address="{tc.addr(98)}" port port="22" protocol="tcp" accept'
+    old = f'rule family="ipv4" source address="{tc.addr(99)}" port port="22" protocol="tcp" accept'
     node = NODES[0]["name"]
     cluster.exec(node, f"firewall-cmd --permanent --zone=drop --add-rich-rule='{site}' && firewall-cmd --reload")
     listed = fwd["where"] / "inventory-listed"
     tc.write_inventory(NODES, inv=listed, known_hosts=fwd["where"] / "known_hosts",
-                       extra=FIREWALLD + "cluster_network_ssh_sources: [10.89.77.99]\n")
+                       extra=FIREWALLD + f"cluster_network_ssh_sources: [{tc.addr(99)}]\n")
     r = cluster.playbook("provision.yml", "--tags", "network", inventory=listed)
     assert r.returncode == 0, r.output[-5000:]
     assert old in cluster.exec(node, "firewall-cmd --zone=drop --list-rich-rules").stdout

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cluster import TEST_PACKAGES, lock_pins, wait
+from cluster import FACTS, TEST_PACKAGES, lock_pins, wait
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "scripts"
@@ -268,7 +268,7 @@ def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
             assert found == "", (node, found)
             mode = cluster.exec(node, f"stat -c %a {RUNS}/.secrets/{run_id}.json").stdout.strip()
             assert mode == "600"
-        for where in (logs, ROOT / ".cache" / "facts"):
+        for where in (logs, FACTS):
             hits = [str(p) for p in Path(where).rglob("*") if p.is_file() and SECRET in p.read_text(errors="replace")]
             assert hits == [], hits
         assert SECRET not in fetched.output

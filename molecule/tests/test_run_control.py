@@ -5,7 +5,7 @@ import json
 import threading
 import time
 
-from cluster import wait
+from cluster import addr, wait
 
 RUNS = "/opt/dscluster/runs"
 OTHER_ROOT = "/opt/dscluster/runs-b"
@@ -137,9 +137,9 @@ def _hosts(cluster):
 def test_inventory_mistakes_fail_loudly_and_change_nothing(provisioned, cluster, tmp_path):
     first, second = cluster.names[0], cluster.names[1]
     twice = _hosts(cluster)
-    twice["node1b"] = dict(twice[first], dsc_addr="10.89.77.201")
+    twice["node1b"] = dict(twice[first], dsc_addr=addr(201))
     down = _hosts(cluster)
-    down[second]["ansible_host"] = "10.89.77.250"  # in the test network, held by no container
+    down[second]["ansible_host"] = addr(250)  # in the test network, held by no container
     cases = [
         (_inventory(cluster, tmp_path / "empty", {}), [], "has no host in the group 'cluster'"),
         (tmp_path / "no-such-inventory", [], "has no host in the group 'cluster'"),

@@ -47,7 +47,7 @@ class CallbackModule(CallbackBase):
         self._playbook = os.path.basename(playbook._file_name)
         self._start = time.time()
 
-    def v2_playbook_on_task_start(self, task, is_conditional):
+    def v2_playbook_on_task_start(self, task, is_conditional=False):  # handlers: (task) only
         self._close_task()
         self._task = (task.get_name(), time.time())
 
