@@ -4,8 +4,10 @@ plot.yml over several runs, and a run stalled by a stopped rank: marked, then (w
 torn down and restarted to completion."""
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from cluster import wait
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,12 +31,6 @@ def launch(cluster, run_id, *extra):
     r = cluster.playbook("launch.yml", "-e", f"run_id={run_id}", *extra)
     assert r.returncode == 0, r.output[-5000:]
     return r
-
-
-
-
-
-
 
 
 def is_png(path, min_bytes=20000):
@@ -68,27 +64,35 @@ def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_l
         assert f"== {node} (last 5 lines)" in r.output, r.output[-3000:]
 
 
-def test_logs_follow_streams_the_log_until_the_run_ends(provisioned, cluster):
+@pytest.fixture(scope="module")
+def followed_twice(provisioned, cluster):
+    """One run followed to its end by logs.yml and status.yml at once (both only read it):
+    {"logs": output, "status": output}."""
     run_id = "w-stream"
-    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=25, save_every=1000)))
-    r = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "lines=3",
-                         "-e", "logs_dest=/tmp/dsc-w-stream")
+    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
+    with ThreadPoolExecutor(2) as pool:
+        logs = pool.submit(cluster.playbook, "logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
+                           "-e", "lines=3", "-e", "logs_dest=/tmp/dsc-w-stream")
+        status = pool.submit(cluster.playbook, "status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
+        return {"logs": logs.result(), "status": status.result()}
+
+
+def test_logs_follow_streams_the_log_until_the_run_ends(followed_twice, cluster):
+    r = followed_twice["logs"]
     assert r.returncode == 0, r.output[-3000:]
-    assert cluster.run_status(run_id)["state"] == "finished"
+    assert cluster.run_status("w-stream")["state"] == "finished"
     streamed = [x for x in r.output.splitlines() if x.startswith(f"{cluster.names[0]}: ") and "step " in x]
     assert len(streamed) >= 2, r.output[-3000:]
     assert "Process" in r.output and "exits successfully" in r.output  # the log's end came through
     assert "RETRYING" not in r.output
 
 
-def test_status_follows_a_running_run_to_its_end(provisioned, cluster):
-    run_id = "w-status-follow"
-    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
-    r = cluster.playbook("status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
+def test_status_follows_a_running_run_to_its_end(followed_twice, cluster):
+    r = followed_twice["status"]
     assert r.returncode == 0, r.output[-3000:]
-    lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
+    lines = [x for x in r.output.splitlines() if x.startswith("run w-stream: running, step ")]
     assert lines and "RETRYING" not in r.output, r.output[-3000:]
-    assert cluster.run_status(run_id)["state"] == "finished" and f"Plot: {PLOTS}/{run_id}.png" in r.output
+    assert cluster.run_status("w-stream")["state"] == "finished" and f"Plot: {PLOTS}/w-stream.png" in r.output
 
 
 def test_plot_draws_several_runs_in_one_picture(provisioned, cluster):
