@@ -41,7 +41,7 @@ torch and DeepSpeed default to the pins in `requirements/pins.env`: {pins}.
 """
 
 
-def markup(text):
+def markup(text: str | list) -> str:
     """Ansible's C(), V(), O(), I(), B() markup as code spans, '<' and '>' outside them escaped
     (Markdown would take <run dir> for an HTML tag); one line, for a table cell."""
     if isinstance(text, list):
@@ -51,24 +51,27 @@ def markup(text):
     return " ".join("`".join(parts).split())
 
 
-def paragraphs(text):
+def paragraphs(text: str | list) -> list[str]:
     """A role's description as Markdown paragraphs."""
     if isinstance(text, list):
         return [markup(t) for t in text]
     return [markup(p) for p in str(text).split("\n") if p.strip()]  # folded: a newline ends one
 
 
-def value(v):
+def value(v: object) -> str:
+    """A default or a choice as a code span: strings as they are, anything else as JSON."""
     if isinstance(v, str):
         return "`" + v + "`" if v else '`""`'
     return "`" + json.dumps(v) + "`"
 
 
-def cell(text):
+def cell(text: str) -> str:
+    """Text safe inside a table cell."""
     return text.replace("|", "\\|")
 
 
-def rows(options, prefix=""):
+def rows(options: dict, prefix: str = ""):
+    """Table rows for options, nested ones (a dict's own options) as parent.child."""
     for name, spec in options.items():
         kind = spec.get("type", "str")
         if spec.get("elements"):
@@ -82,21 +85,22 @@ def rows(options, prefix=""):
         yield from rows(spec.get("options") or {}, prefix + name + ".")
 
 
-def groups(spec_file, options):
-    """[(heading or None, {name: spec})]: the options split at the spec's own comment lines."""
-    heading, out = None, [(None, {})]
+def groups(spec_file: Path, options: dict) -> list[tuple[str | None, dict]]:
+    """[(heading or None, {name: spec})]: the options split at the spec's own comment lines
+    (indented as the option names are)."""
+    out = [(None, {})]
     for line in spec_file.read_text().splitlines():
         comment = re.match(r"^ {6}# (.+?)\.?$", line)
         key = re.match(r"^ {6}(\w+):", line)
         if comment:
-            heading = comment.group(1)
-            out.append((heading, {}))
+            out.append((comment.group(1), {}))
         elif key and key.group(1) in options:
             out[-1][1][key.group(1)] = options[key.group(1)]
     return [(h, opts) for h, opts in out if opts]
 
 
-def page():
+def page() -> str:
+    """The whole of docs/configuration.md."""
     pins = dict(line.split("=", 1) for line in PINS.read_text().splitlines()
                 if line and not line.startswith("#"))
     out = [INTRO.strip().replace("{pins}", f"torch {pins['TORCH_VERSION']}, DeepSpeed {pins['DEEPSPEED_VERSION']}")]
@@ -117,7 +121,7 @@ def page():
     return "\n\n".join(p for p in out if p).rstrip("\n") + "\n"
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     text = page()
     if argv[1:] == ["--check"]:
         if PAGE.read_text() != text:
