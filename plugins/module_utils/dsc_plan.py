@@ -12,6 +12,11 @@ the run options) and hands the result to every later play as `dsc_plan`. Inputs:
     probes    {node: what `dsc_node.py probe` printed}: gpus, interfaces, infiniband, runs
     defaults  {variable: default}         roles/plan/meta/argument_specs.yml's defaults
     paths     {"repo": ..., "templates": ...} on the control node
+    variables {node: [names]}             every variable name a node has (undeclared settings)
+    extra_vars {names}                    the names given with -e (a resume refuses LAUNCH_ONLY)
+
+It returns asdict() of a Plan (launch, resume, preflight) or a CompanionPlan (the rest): those
+records declare every key the roles read.
 
 Every problem comes back at once, each naming the variable, the host and the fix; a value that
 must be the same on every node is reported once, not once per node.
@@ -1171,14 +1176,16 @@ def _run_options(options, defaults, runs_seen):
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
     opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
     if as_bool(opt["resume"]):  # the run's own launch spec: the same entry, arguments, preset and
-        # batch, except what this command gives explicitly (-e), e.g. more steps
+        # batch, except what this command gives explicitly (-e), e.g. more steps; never what
+        # only a launch applies (its files keep the run's own: _refused_on_resume)
         wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
         spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
-        opt.update({k: v for k, v in spec.items() if k in LAUNCH_SPEC and k not in options})
+        opt.update({k: v for k, v in spec.items()
+                    if k in LAUNCH_SPEC and (k not in options or k in LAUNCH_ONLY)})
     return opt
 
 
-def _launch_only_options(extra_vars, opt, run_id, problems):
+def _refused_on_resume(extra_vars, opt, run_id, problems):
     """On resume: the -e options only a launch applies (LAUNCH_ONLY; dsc_code_dir where the run's
     code was copied into it) are refused, naming them: the resume would ignore them."""
     given = [k for k in LAUNCH_ONLY if k in extra_vars]
@@ -1813,7 +1820,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
                      f"templates/ds_config/{preset}.json).")
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
     if resume:
-        _launch_only_options(extra_vars, opt, run_id, problems)
+        _refused_on_resume(extra_vars, opt, run_id, problems)
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not _is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
@@ -2024,21 +2031,15 @@ class Plan:
     conda_accept_tos: bool
     wheelhouse: str  # on the control node; empty: installs come from an index
     node_wheelhouse: str  # where the wheelhouse is pushed on every node
-    # dsc_requirements: torchvision and torchaudio installed with torch, from its index; the rest with
-    # DeepSpeed. Both installs hold torch and DeepSpeed at their pins.
-    torch_requirements: list[str]
-    requirements: list[str]
+    torch_requirements: list[str]  # dsc_requirements' torchvision/torchaudio: installed with torch, from its index
+    requirements: list[str]  # the rest of dsc_requirements: installed with DeepSpeed (both at torch's pin)
     data_dir: str
     data_shared: bool
     secret_names: list[str]  # the names in dsc_secrets, never the values
-    # pip's source arguments (pip_sources): the node's wheelhouse (offline) when there is one, else
-    # the index; torch's CUDA-variant index for torch, beside the index for a lock's wheels.
-    pip_source_args: str
-    pip_lock_args: str
-    pip_torch_args: str
-    # The wheelhouse's lock or dsc_node_lock ({} without): one install of exactly it, every file's
-    # sha256 checked, its wheels, then its source packages built without isolation.
-    lock: dict
+    pip_source_args: str  # pip's source (pip_sources) for DeepSpeed, the requirements, a lock's sdists
+    pip_lock_args: str  # pip's source for a lock's wheels (torch's index beside the index)
+    pip_torch_args: str  # pip's source for an unlocked torch (its CUDA-variant index)
+    lock: dict  # the wheelhouse's lock or dsc_node_lock ({} without): installed exactly, sha256 checked
     locked: bool
     master_port_first: int
     master_port_last: int

@@ -169,8 +169,8 @@ def test_the_shipped_inventories_set_only_declared_settings(inventory):
             for k, v in node.items():
                 yield k
                 yield from keys(v)
-    names = {k for path in (ROOT / "inventory" / inventory).rglob("*.yml") for k in keys(yaml.safe_load(path.read_text()))
-             if str(k).startswith(dsc_plan.SETTING_PREFIXES)}
+    names = {k for path in (ROOT / "inventory" / inventory).rglob("*.yml")
+             for k in keys(yaml.safe_load(path.read_text())) if str(k).startswith(dsc_plan.SETTING_PREFIXES)}
     assert names and names <= DECLARED, sorted(names - DECLARED)
 
 
@@ -508,9 +508,9 @@ RESUMABLE = [{"id": "r1", "mtime": 1, "started": True, "active": False,
               "launch": {"preset": "zero3", "dsc_micro_batch": 4, "dsc_entry_args": ["--epochs", "2"]}}]
 
 
-def resume_with_e(options, runs=RESUMABLE, **settings):
+def resume_with_e(options, runs=RESUMABLE):
     """resume.yml with `options` given with -e (resume itself is the playbook's)."""
-    hostvars, groups, probes = cluster(2, runs=runs, **settings)
+    hostvars, groups, probes = cluster(2, runs=runs)
     return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, dict(options, resume=True),
                               now="20261130-000000", full_run=True, extra_vars=set(options))
 
@@ -537,17 +537,18 @@ def test_resume_refuses_each_option_only_a_launch_applies_naming_it():
 
 
 def test_resume_takes_the_options_it_applies_and_launch_only_ones_from_the_inventory():
-    p, errors = resume_with_e({"run_id": "r1", "dsc_entry_args": ["--epochs", "3"], "dsc_launcher_args": ["--no_local_rank"],
-                               "dsc_resume_args": [], "max_restarts": 2, "restart_backoff_s": 1, "follow": True,
-                               "preflight": False, "dsc_stall_timeout_s": 60, "dsc_stall_fail": True, "force": True})
+    p, errors = resume_with_e({"run_id": "r1", "dsc_entry_args": ["--epochs", "3"],
+                               "dsc_launcher_args": ["--no_local_rank"], "dsc_resume_args": [],
+                               "max_restarts": 2, "restart_backoff_s": 1, "follow": True, "preflight": False,
+                               "dsc_stall_timeout_s": 60, "dsc_stall_fail": True, "force": True})
     assert errors == [] and p["run"]["max_restarts"] == 2 and p["run"]["commands"]["node1"][-2:] == ["--epochs", "3"]
     assert "--no_local_rank" in p["run"]["commands"]["node1"]
     # set in the inventory (the launches' defaults), not asked of this resume: the run's own are kept
     hostvars, groups, probes = cluster(2, runs=RESUMABLE)
     p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS,
-                                   {"resume": True, "dsc_micro_batch": 8, "dsc_train_config": {"steps": 5}},
-                                   full_run=True, extra_vars=set())
-    assert errors == [] and p["run"]["preset"] == "zero3"
+                                   {"resume": True, "preset": "zero1", "dsc_micro_batch": 8,
+                                    "dsc_train_config": {"steps": 5}}, full_run=True, extra_vars=set())
+    assert errors == [] and p["run"]["preset"] == "zero3" and p["run"]["batch"]["micro_batch"] == 4
     # code on a shared filesystem runs from where it is: another directory applies
     shared = [dict(RESUMABLE[0], launch=dict(RESUMABLE[0]["launch"], dsc_code_shared=True, dsc_code_dir="/shared/a"))]
     p, errors = resume_with_e({"dsc_code_dir": "/shared/b"}, runs=shared)
