@@ -15,8 +15,8 @@ the run options) and hands the result to every later play as `dsc_plan`. Inputs:
     variables {node: [names]}             every variable name a node has (undeclared settings)
     extra_vars {names}                    the names given with -e (a resume refuses LAUNCH_ONLY)
 
-It returns asdict() of a Plan (launch, resume, preflight) or a CompanionPlan (the rest): those
-records declare every key the roles read.
+make_plan's plan is asdict() of a Plan (launch, resume, preflight) or a CompanionPlan (the other
+playbooks): those records declare every key the roles read.
 
 Every problem comes back at once, each naming the variable, the host and the fix; a value that
 must be the same on every node is reported once, not once per node.
