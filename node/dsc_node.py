@@ -1311,8 +1311,9 @@ def history(run_dir):
 
 
 def runs_table(run_root):
-    """Every run under the run root, newest first: id, preset, state, last step, loss, tokens/s,
-    started, duration and restarts (runs.yml's table)."""
+    """Every run under the run root, newest first: id, preset, state, last step, loss, throughput
+    (tokens/s from train.run's metrics, samples/s from any other script's progress), started,
+    duration and restarts (runs.yml's table)."""
     rows, now = [], time.time()
     for r in runs(run_root):
         run = RunDir(Path(run_root) / r["id"])
@@ -1328,7 +1329,7 @@ def runs_table(run_root):
         last = st["last"] or {}
         rows.append({"id": r["id"], "preset": (r.get("launch") or {}).get("preset"), "state": st["state"],
                      "step": last.get("step"), "loss": last.get("loss"),
-                     "tokens_per_s": last.get("tokens_per_s", last.get("samples_per_s")),
+                     "tokens_per_s": last.get("tokens_per_s"), "samples_per_s": last.get("samples_per_s"),
                      "started": started, "duration_s": round((ended or now) - started, 1),
                      "restarts": st["restarts"]})
     return sorted(rows, key=lambda row: row["started"], reverse=True)

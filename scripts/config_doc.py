@@ -30,9 +30,10 @@ cluster-wide ones in `inventory/<cluster>/group_vars/all.yml`, run options with 
 command line (`-e preset=zero3`, or JSON for lists and dicts:
 `-e '{"dsc_entry_args": ["--set", "size=125m"]}'`). Every setting the plan reads is declared in
 `roles/plan/meta/argument_specs.yml`, the one source of defaults
-(`ansible-doc -t role -r roles plan` prints it), but for `dsc_secrets`, tokens for the ranks,
-whose names alone the plan reads ([Your own scripts](own-scripts.md#bring-your-own-script)). The
-plan checks them all at once, before any node changes. Cluster-wide settings must be the same
+(`ansible-doc -t role -r roles plan` prints it); of `dsc_secrets`, tokens for the ranks, the plan
+reads the names alone ([Your own scripts](own-scripts.md#bring-your-own-script)). A `dsc_` or
+`cluster_network_` variable that no role declares is refused, naming the current name of one an
+earlier version read. The plan checks them all at once, before any node changes. Cluster-wide settings must be the same
 on every node (one message names the nodes when they differ). Run options are read by the plan
 for launch.yml and resume.yml; status, stop and logs read `run_id`. Each role's own options
 follow the plan's.

@@ -69,14 +69,20 @@ def step_down_lines(st):
 
 
 def runs_table(rows):
-    """runs.yml's table: a header and a line per run, newest first."""
+    """runs.yml's table: a header and a line per run, newest first. Throughput in the unit the run
+    logs: tokens/s (train.run's metrics), else samples/s (any script's progress)."""
     def cell(value, fmt="{}"):
         return "-" if value is None else fmt.format(value)
-    lines = ["run | preset | state | step | loss | tokens/s | started (UTC) | duration | restarts"]
+
+    def throughput(r):
+        if r.get("tokens_per_s") is not None:
+            return cell(r["tokens_per_s"], "{:,.0f} tokens/s")
+        return cell(r.get("samples_per_s"), "{:,.1f} samples/s")
+    lines = ["run | preset | state | step | loss | throughput | started (UTC) | duration | restarts"]
     for r in rows or []:
         started = datetime.datetime.fromtimestamp(r["started"], datetime.timezone.utc)
         lines.append(" | ".join([r["id"], cell(r.get("preset")), r["state"], cell(r.get("step")),
-                                 cell(r.get("loss"), "{:.4g}"), cell(r.get("tokens_per_s"), "{:,.0f}"),
+                                 cell(r.get("loss"), "{:.4g}"), throughput(r),
                                  started.strftime("%Y-%m-%d %H:%M"),
                                  str(datetime.timedelta(seconds=int(r["duration_s"]))),
                                  str(r.get("restarts", 0))]))

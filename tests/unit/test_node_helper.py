@@ -309,6 +309,8 @@ def test_runs_table_has_a_row_per_run_newest_first(tmp_path):
     for i, (name, files) in enumerate([("old", {"run_id": "old\n", "launcher.log": "x", "exit_code": "0\n",
                                                "metrics.jsonl": '{"step": 5, "loss": 1.5, "tokens_per_s": 900}\n',
                                                "launch.json": '{"preset": "zero3"}'}),
+                                       ("own", {"run_id": "own\n", "launcher.log": "x", "exit_code": "0\n",
+                                                "progress.jsonl": '{"step": 3, "loss": 2.0, "samples_per_s": 12.5}\n'}),
                                        ("new", {"run_id": "new\n", "launcher.log": "x", "exit_code": "1\n"})]):
         (tmp_path / name).mkdir()
         for f, text in files.items():
@@ -316,7 +318,9 @@ def test_runs_table_has_a_row_per_run_newest_first(tmp_path):
         os.utime(tmp_path / name / "run_id", (1000 + i, 1000 + i))
     rows = dsc_node.runs_table(tmp_path)
     assert [(r["id"], r["state"], r["preset"], r["step"]) for r in rows] == [
-        ("new", "failed", None, None), ("old", "finished", "zero3", 5)]
+        ("new", "failed", None, None), ("own", "finished", None, 3), ("old", "finished", "zero3", 5)]
+    # train.run's tokens/s and another script's samples/s stay apart: the table shows each's unit
+    assert [(r["tokens_per_s"], r["samples_per_s"]) for r in rows] == [(None, None), (None, 12.5), (900, None)]
 
 
 def test_secrets_are_written_0600_beside_the_run_dir_never_in_it(tmp_path):

@@ -63,9 +63,14 @@ def test_runs_table_lines():
     spec = importlib.util.spec_from_file_location("cluster_filters", ROOT / "plugins" / "filter" / "cluster.py")
     filters = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(filters)
-    lines = filters.runs_table([{"id": "r1", "preset": "zero2", "state": "finished", "step": 20, "loss": 5.123456,
-                                 "tokens_per_s": 15020.4, "started": 0, "duration_s": 75.5, "restarts": 1}])
-    assert lines[1] == "r1 | zero2 | finished | 20 | 5.123 | 15,020 | 1970-01-01 00:00 | 0:01:15 | 1"
+    row = {"id": "r1", "preset": "zero2", "state": "finished", "step": 20, "loss": 5.123456,
+           "tokens_per_s": 15020.4, "samples_per_s": None, "started": 0, "duration_s": 75.5, "restarts": 1}
+    lines = filters.runs_table([row, dict(row, id="r2", tokens_per_s=None, samples_per_s=12.34),
+                                dict(row, id="r3", tokens_per_s=None, step=None, loss=None)])
+    assert lines[0] == "run | preset | state | step | loss | throughput | started (UTC) | duration | restarts"
+    assert lines[1] == "r1 | zero2 | finished | 20 | 5.123 | 15,020 tokens/s | 1970-01-01 00:00 | 0:01:15 | 1"
+    assert lines[2] == "r2 | zero2 | finished | 20 | 5.123 | 12.3 samples/s | 1970-01-01 00:00 | 0:01:15 | 1"
+    assert lines[3] == "r3 | zero2 | finished | - | - | - | 1970-01-01 00:00 | 0:01:15 | 1"
 
 
 def test_follow_prints_a_progress_line_not_a_retry_message():
