@@ -20,11 +20,12 @@ module pushes it). Every command prints one JSON object.
                                               # tears the run down everywhere when a node fails and
                                               # restarts it from its checkpoint (opt-in)
     dsc_node.py procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
-    dsc_node.py stop RUN_ID [--grace S] [--run-dir DIR]
-                                              # mark the run stopped, TERM, then KILL after S seconds
+    dsc_node.py stop RUN_ID [--grace S] [--run-dir DIR [--by WHO]] [--ext-dir DIR]
+                                              # mark the run stopped (by WHO), TERM, then KILL after
+                                              # S seconds
     dsc_node.py status RUN_DIR RUN_ID [--hosts H1,H2]
                                               # state, ranks alive, last metrics, first error
-                                              # (with --hosts: every node's state, via pdsh)
+                                              # (with --hosts: every node's state and ranks, via pdsh)
     dsc_node.py write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
     dsc_node.py step-down RUN_DIR INDEX       # preset=auto's ladder step INDEX becomes the run's config
     dsc_node.py files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
@@ -79,9 +80,10 @@ class RunDir:
     FAILURE = "failure.json"      # which node failed first, and how
     RESTARTS = "restarts"         # restarts so far
     RESTARTS_LOG = "restarts.log"
-    STOPPED = "stopped"           # an operator's stop: no restart
+    STOPPED = "stopped"           # a stop on purpose, naming who stopped it: no restart
     METRICS = "metrics.jsonl"     # one JSON object per logged step (train.run)
     PROGRESS = "progress.jsonl"   # any script's steps, as DeepSpeed's engine saw them (entry)
+    ENGINE = "engine.json"        # what global rank 0's engine reported once initialised (entry)
     PORT = "master_port"
     LAUNCH = "launch.json"        # what the run was launched with (resume and restarts reuse it)
     CODE = "code"
@@ -164,8 +166,17 @@ class EngineWatch:
     """What every rank's DeepSpeed engine does for the toolkit, whatever script drives it:
     - progress: each optimizer step, as global rank 0 sees it, appended to the run's
       progress.jsonl at most every `every` seconds: step, loss (the mean over the micro-batches
-      since the last line), lr, samples, samples/s. The loss is read (.item(), a device sync)
-      only when a line is written.
+      since the last line), lr, samples, samples/s, the mean step time since the last line and,
+      where the script's trainer says it, the total steps. The loss is read (.item(), a device
+      sync) only when a line is written.
+    - the run's total: DeepSpeed's engine has none, and scripts' own arguments mean what each
+      script makes them mean, so the total is read only where it is unambiguous: HF's Trainer
+      (run_clm.py, run_mlm.py, ...) sets state.max_steps, in optimizer steps as the engine counts
+      them (from --max_steps, or the epochs times the batches per epoch), before it calls its
+      callbacks' on_train_begin (watch_trainer). Any other script logs no total.
+    - the engine's configuration: global rank 0 writes engine.json (its ZeRO stage) once the
+      engine is initialised, whatever chose it (a preset, the user's file, HF's Trainer, the
+      script's own config).
     - node-local checkpoints: with checkpoint.use_node_local_storage (run directories are per
       node) DeepSpeed has each node's local rank 0 save the shared state, but writes the
       `latest` tag on global rank 0 only, so load_checkpoint(tag=None) - HF's Trainer and
@@ -186,13 +197,32 @@ class EngineWatch:
         self.step = self.written_step = 0
         self.time, self.samples = time.time(), 0
         self.engine = None
+        self.total_steps = None  # where the script's trainer says it (watch_trainer)
 
     def __call__(self, module):
         self.patch(module.DeepSpeedEngine)
 
+    def watch_trainer(self, module):
+        """transformers.trainer_callback: the total steps HF's Trainer has set when it starts
+        training (a resumed run's too: the Trainer sets it again after loading its state)."""
+        handler, hook = module.CallbackHandler, self
+        begin = handler.on_train_begin
+
+        def on_train_begin(callbacks, args, state, control):
+            max_steps = getattr(state, "max_steps", None)
+            if isinstance(max_steps, int) and max_steps > 0:
+                hook.total_steps = max_steps
+            return begin(callbacks, args, state, control)
+        handler.on_train_begin = on_train_begin
+
     def patch(self, engine_class):
-        backward, step, save, hook = (engine_class.backward, engine_class.step,
-                                      engine_class.save_checkpoint, self)
+        init, backward, step, save, hook = (engine_class.__init__, engine_class.backward, engine_class.step,
+                                            engine_class.save_checkpoint, self)
+
+        def reporting_init(engine, *args, **kwargs):
+            init(engine, *args, **kwargs)
+            if getattr(engine, "global_rank", None) == 0:
+                hook.record_engine(engine)
 
         def watched_backward(engine, loss, *args, **kwargs):
             if engine.global_rank == 0 and hasattr(loss, "detach"):
@@ -217,10 +247,20 @@ class EngineWatch:
                     and engine.global_rank != 0:
                 write_atomic(Path(save_dir) / "latest", str(tag))
             return out
+        engine_class.__init__ = reporting_init
         engine_class.backward, engine_class.step = watched_backward, watched_step
         engine_class.save_checkpoint = node_local_save
         import atexit
         atexit.register(lambda: self.step != self.written_step and self.write())
+
+    def record_engine(self, engine):
+        """engine.json: the ZeRO stage the engine runs with (status and runs.yml show it where
+        the toolkit's preset is not the run's config); nothing where the engine cannot say."""
+        try:
+            record = {"zero_stage": int(engine.zero_optimization_stage()), "time": round(time.time(), 3)}
+            write_atomic(self.path.parent / RunDir.ENGINE, json.dumps(record) + "\n")
+        except Exception:  # noqa: BLE001 - a record, never a rank's failure
+            pass
 
     def record_peak(self, engine):
         """This rank's torch.cuda.max_memory_allocated() so far, a line of memory.jsonl with the
@@ -246,10 +286,16 @@ class EngineWatch:
             lr = None
         loss = float(self.loss.item()) / self.micro if self.micro else None
         samples = int(getattr(engine, "global_samples", 0) or 0)
-        rate = (samples - self.samples) / (now - self.time) if now > self.time and self.written_step else None
+        # Rates over the steps since the last line (the first line's interval holds start-up).
+        since = bool(self.written_step) and now > self.time and self.step > self.written_step
+        rate = (samples - self.samples) / (now - self.time) if since else None
+        step_time = (now - self.time) / (self.step - self.written_step) if since else None
         line = {"step": self.step, "loss": None if loss is None else round(loss, 6), "lr": lr,
                 "samples": samples, "samples_per_s": None if rate is None else round(rate, 2),
+                "step_time_s": None if step_time is None else round(step_time, 4),
                 "time": round(now, 3)}
+        if self.total_steps:
+            line["total_steps"] = self.total_steps
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         self.loss, self.micro, self.written_step = None, 0, self.step
@@ -364,8 +410,9 @@ def entry(args, local_rank=()):
                              f"writes them anew on every node).")
     patches = {"accelerate.state": accelerate_on_cpu}
     if run_dir:
-        patches["deepspeed.runtime.engine"] = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS,
-                                                          measured=RunDir(run_dir) / RunDir.MEASURED)
+        watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED)
+        patches["deepspeed.runtime.engine"] = watch
+        patches["transformers.trainer_callback"] = watch.watch_trainer
         (RunDir(run_dir) / RunDir.RANKS_STARTED).touch()
     sys.meta_path.insert(0, AfterImport(patches))
     import runpy
@@ -1132,14 +1179,15 @@ def wait_gone(run_id, seconds, keep=lambda p: True):
         time.sleep(0.2)
 
 
-def stop(run_id, grace, run_dir=None, ext_dir=None):
-    """Mark the run stopped (a supervisor then restarts nothing), SIGKILL DeepSpeed's runner and
+def stop(run_id, grace, run_dir=None, ext_dir=None, by=None):
+    """Mark the run stopped, naming `by` where given (a supervisor then restarts nothing; status
+    and follow say who stopped it), SIGKILL DeepSpeed's runner and
     pdsh, TERM the rest (each node's launch.py ends its ranks), KILL what is left after `grace`
     seconds, then let the supervisor record the exit code; report what was found and what
     survived. Only processes that carry this run's id are touched. With nothing left, stale
     op-build locks under `ext_dir` go too (a rank killed mid-build leaves one)."""
     if run_dir and os.path.isdir(run_dir):
-        write_atomic(RunDir(run_dir) / RunDir.STOPPED, "stopped\n")
+        write_atomic(RunDir(run_dir) / RunDir.STOPPED, f"{by or 'stopped'}\n")
     found = procs(run_id)
     signal_all([p["pid"] for p in found if RUNNER.search(p["cmd"]) and not is_supervisor(p)],
                signal.SIGKILL)
@@ -1229,14 +1277,50 @@ def status(run_dir, run_id):
         started = (run / "run_id").stat().st_mtime
     except OSError:
         started = None
-    total = (read_json(run / "train.json") or {}).get("steps")
     return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
-            "started": started, "total_steps": total if isinstance(total, int) else None,
+            "started": started, "total_steps": total_steps(last),
             "launcher_pid": launcher, "ranks_alive": ranks,
             "processes": len(ps), "last": last, "restarts": int(restarts),
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
             "first_error": error, "traceback": trace, "memory": memory_summary(run_dir),
-            "step_downs": step_downs(run_dir)}
+            "step_downs": step_downs(run_dir), "config": config_label(run),
+            "stopped_by": stopped_by(run) if state == "stopped" else None}
+
+
+def total_steps(last):
+    """The run's total steps where its writer knew it: train.run's metrics carry its config's
+    steps, the entry shim's progress HF's Trainer's max_steps; None for any other script, and
+    None where the step is past it (a total that is not the run's)."""
+    last = last or {}
+    total, step = last.get("total_steps"), last.get("step")
+    if not isinstance(total, int) or total <= 0 or (isinstance(step, int) and step > total):
+        return None
+    return total
+
+
+def config_label(run):
+    """What decides the run's DeepSpeed configuration, as the launch message and runs.yml say it:
+    "preset zero2" where the toolkit's preset is the config (dsc_ds_config_mode preset);
+    otherwise (the user's file, HF's Trainer, the script itself) the ZeRO stage its engine
+    reported ("ZeRO stage 3"), and "its own ZeRO stage" before it has. None without a launch
+    record."""
+    launch = read_json(run / RunDir.LAUNCH)
+    if not isinstance(launch, dict):
+        return None
+    if launch.get("dsc_ds_config_mode", "preset") == "preset":
+        return f"preset {launch.get('preset')}"
+    stage = (read_json(run / RunDir.ENGINE) or {}).get("zero_stage")
+    return f"ZeRO stage {stage}" if isinstance(stage, int) else "its own ZeRO stage"
+
+
+def stopped_by(run):
+    """Who stopped the run on purpose, as the stop marker names it (stop.yml, a replacing
+    launch); None for a marker that names no one."""
+    try:
+        said = read_text(run / RunDir.STOPPED).strip()
+    except OSError:
+        return None
+    return said if said and said != "stopped" else None
 
 
 def step_downs(run_dir):
@@ -1271,9 +1355,9 @@ def last_line(path, start=0):
 
 def log_tail(run_dir, run_id, lines=20, hosts=()):
     """The end of the run's launcher log (every node's output comes through pdsh, each line
-    prefixed by its node's name): the last `lines` lines of each node ("launcher" for the
-    launcher's own), and the raw tail with the byte offset it starts at, from which follow
-    streams; with the run's state."""
+    prefixed by its node's name): its path, the last `lines` lines of each node ("launcher" for
+    the lines of no node's ranks: DeepSpeed's runner, pdsh, the supervisor), and the raw tail
+    with the byte offset it starts at, from which follow streams; with the run's state."""
     log = RunDir(run_dir) / RunDir.LOG
     try:
         size = log.stat().st_size
@@ -1294,7 +1378,7 @@ def log_tail(run_dir, run_id, lines=20, hosts=()):
         name, _, rest = line.partition(": ")
         node = name if name in hosts and rest else "launcher"
         nodes.setdefault(node, []).append(rest if node != "launcher" else line)
-    return {"run_id": run_id, "state": status(run_dir, run_id)["state"], "offset": start,
+    return {"run_id": run_id, "state": status(run_dir, run_id)["state"], "log": str(log), "offset": start,
             "text": text, "nodes": {k: v[-lines:] for k, v in nodes.items()} if lines else {}}
 
 
@@ -1311,8 +1395,9 @@ def history(run_dir):
 
 
 def runs_table(run_root):
-    """Every run under the run root, newest first: id, preset, state, last step, loss, tokens/s,
-    started, duration and restarts (runs.yml's table)."""
+    """Every run under the run root, newest first: id, config (config_label), state, last step,
+    loss, throughput (tokens/s from train.run's metrics, samples/s from any other script's
+    progress), started, duration and restarts (runs.yml's table)."""
     rows, now = [], time.time()
     for r in runs(run_root):
         run = RunDir(Path(run_root) / r["id"])
@@ -1326,9 +1411,9 @@ def runs_table(run_root):
         except OSError:
             ended = None if st["state"] == "running" else r["mtime"]
         last = st["last"] or {}
-        rows.append({"id": r["id"], "preset": (r.get("launch") or {}).get("preset"), "state": st["state"],
+        rows.append({"id": r["id"], "config": st["config"], "state": st["state"],
                      "step": last.get("step"), "loss": last.get("loss"),
-                     "tokens_per_s": last.get("tokens_per_s", last.get("samples_per_s")),
+                     "tokens_per_s": last.get("tokens_per_s"), "samples_per_s": last.get("samples_per_s"),
                      "started": started, "duration_s": round((ended or now) - started, 1),
                      "restarts": st["restarts"]})
     return sorted(rows, key=lambda row: row["started"], reverse=True)
@@ -1372,11 +1457,13 @@ def write_atomic(path, text):
     tmp.rename(path)
 
 
-def teardown(run_id, hosts, run_dir=None):
+def teardown(run_id, hosts, run_dir=None, by=None):
     """Stop every process of the run here and, through pdsh, on the other nodes (by the
-    DSC_RUN_ID marker each process carries, so orphans go too)."""
-    on_others(hosts, "stop", run_id, "--grace", "5", *(["--run-dir", run_dir] if run_dir else []))
-    return stop(run_id, 5.0, run_dir)
+    DSC_RUN_ID marker each process carries, so orphans go too); with run_dir, marked stopped by
+    `by` on every node."""
+    marked = (["--run-dir", run_dir] + (["--by", by] if by else [])) if run_dir else []
+    on_others(hosts, "stop", run_id, "--grace", "5", *marked)
+    return stop(run_id, 5.0, run_dir, by=by)
 
 
 class Stall:
@@ -1526,7 +1613,8 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
             print(json.dumps({"started": False, "active": other,
                               "error": f"run {other['run_id']} is active"}))
             return 4
-        teardown(other["run_id"], list(hosts), other["run_dir"])
+        teardown(other["run_id"], list(hosts), other["run_dir"],
+                 by=f"a launch with replace=true (run {run_id})")
     port = port or free_port(*ports)
     if port is None:
         print(json.dumps({"started": False, "error": f"every master port from {ports[0]} to "
@@ -1543,7 +1631,7 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
             if pid or (run / RunDir.EXIT).exists():
                 break
             time.sleep(0.1)
-        print(json.dumps({"started": True, "pid": pid, "port": port,
+        print(json.dumps({"started": True, "pid": pid, "port": port, "config": config_label(run),
                           "replaced": other.get("run_id") if other else None}))
         return 0
     lock.close()
@@ -1751,10 +1839,13 @@ def record_exit(run, code):
     os.replace(run / RunDir.EXIT_RESERVE, run / RunDir.EXIT)
 
 
-def node_states(run_dir, run_id, hosts, own_state):
-    """{node: its state of the run} for follow's line: this node's own, the others' through pdsh
-    (the same way the launcher reaches them); a node that does not answer is "unreachable"."""
-    states = {hosts[0]: own_state} if hosts else {}
+def node_states(run_dir, run_id, hosts, own):
+    """{node: {state, ranks_alive}} for follow's line: this node's own (`own`, its status), the
+    others' through pdsh (the same way the launcher reaches them); a node that does not answer is
+    "unreachable", with no rank counted."""
+    def of(st):
+        return {"state": st["state"], "ranks_alive": int(st.get("ranks_alive") or 0)}
+    states = {hosts[0]: of(own)} if hosts else {}
     others = list(hosts)[1:]
     if not others:
         return states
@@ -1765,10 +1856,10 @@ def node_states(run_dir, run_id, hosts, own_state):
     for line in r.stdout.splitlines():
         name, _, text = line.partition(": ")
         try:
-            states[name] = json.loads(text)["state"]
-        except (ValueError, KeyError, TypeError):
+            states[name] = of(json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
-    return {h: states.get(h, "unreachable") for h in hosts}
+    return {h: states.get(h, {"state": "unreachable", "ranks_alive": 0}) for h in hosts}
 
 
 def on_others(hosts, *args):
@@ -1847,9 +1938,9 @@ def command(argv):
     elif cmd == "procs":
         print(json.dumps(procs(args[0])))
     elif cmd == "stop":
-        pos, opts = options(args, valued=("--grace", "--run-dir", "--ext-dir"))
+        pos, opts = options(args, valued=("--grace", "--run-dir", "--ext-dir", "--by"))
         print(json.dumps(stop(pos[0], float(opts.get("--grace", 15)), opts.get("--run-dir"),
-                              opts.get("--ext-dir"))))
+                              opts.get("--ext-dir"), opts.get("--by"))))
     elif cmd == "runs":
         print(json.dumps(runs_table(args[0])))
     elif cmd == "log":
@@ -1874,7 +1965,7 @@ def command(argv):
         pos, opts = options(args, valued=("--hosts",))
         st = status(pos[0], pos[1])
         if opts.get("--hosts"):
-            st["nodes"] = node_states(pos[0], pos[1], opts["--hosts"].split(","), st["state"])
+            st["nodes"] = node_states(pos[0], pos[1], opts["--hosts"].split(","), st)
         print(json.dumps(st))
     elif cmd == "free-port":
         port = free_port(int(args[0]), int(args[1]))

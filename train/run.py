@@ -287,7 +287,9 @@ def main(argv=None) -> int:
         step_times.append(dt)
         if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps):
             tps = tokens_per_step / dt
-            rec = {"step": step, "time": round(time.time(), 3), "loss": round(mean_loss, 6), "lr": lr, "tokens_per_s": round(tps, 1),
+            # total_steps: the run's end, which status and follow show beside the step
+            rec = {"step": step, "total_steps": cfg.steps, "time": round(time.time(), 3),
+                   "loss": round(mean_loss, 6), "lr": lr, "tokens_per_s": round(tps, 1),
                    "samples_per_s": round(tps / cfg.seq_len, 2), "step_time_s": round(dt, 4),
                    "tflops": round(tps * fpt / world / 1e12, 4)}
             if peak:

@@ -10,8 +10,9 @@ from cluster import wait
 
 RUNS = "/opt/dscluster/runs"
 TINY = {"vocab_size": 512, "seq_len": 64}
-# A dead node must not leave the others blocked in a collective: the bound documented in the
-# README (detection through pdsh and ssh keep-alives, then a teardown on every node).
+# A dead node must not leave the others blocked in a collective: the bound documented in
+# docs/runs.md, "When something fails" (detection through pdsh and ssh keep-alives, then a
+# teardown on every node).
 EXIT_BOUND_S = {"rank": 30, "node": 60}
 
 

@@ -98,7 +98,7 @@ def _what_the_outsider_reaches(cluster):
 
 
 def test_an_outsider_reaches_only_what_the_inbound_policy_opens(provisioned, cluster):
-    """The README's promise from an outsider on the cluster's network, over IPv4 and IPv6. By
+    """docs/firewall.md's promise from an outsider on the cluster's network, over IPv4 and IPv6. By
     default (the toolkit enabled ufw itself, over SSH) inbound is denied: SSH, the master ports and
     a rank's ephemeral port are closed to it, open to the cluster. cluster_network_default_deny
     false keeps a site's allow policy: SSH and the ephemeral port open to everyone, the master

@@ -145,8 +145,11 @@ def test_deepspeed_examples_cifar_trains_across_both_nodes(data, cluster, preset
     # 512 synthetic samples, the script's global batch of 16: 32 steps
     assert_finished_with_progress(cluster, run_id, 32)
     log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
-    # the script chose its ZeRO stage from its own flag, passed through the entry shim
+    # the script chose its ZeRO stage from its own flag, passed through the entry shim, and its
+    # engine's stage is what status and runs.yml name (not the preset, which mode none ignores)
     assert f"entry --script cifar10_deepspeed.py --deepspeed --stage {preset[-1]} " in log
+    st = cluster.run_status(run_id)
+    assert st["config"] == f"ZeRO stage {preset[-1]}" and st["total_steps"] is None, st
     assert "Finished Training" in log and "Accuracy of the network" in log
 
 
@@ -154,7 +157,8 @@ def test_deepspeed_examples_cifar_trains_across_both_nodes(data, cluster, preset
 def test_transformers_run_clm_trains_across_both_nodes(data, cluster, preset):
     run_id = f"own-clm-{preset}"
     launch(cluster, run_id, *clm_args(preset, 12), "-e", "follow=true")
-    assert_finished_with_progress(cluster, run_id, 12)
+    st = assert_finished_with_progress(cluster, run_id, 12)
+    assert st["total_steps"] == 12 and st["config"] == f"ZeRO stage {preset[-1]}", st  # HF's Trainer's
     cfg = json.loads(cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/ds_config.json").stdout)
     assert cfg["zero_optimization"]["stage"] == int(preset[-1]) and cfg["train_batch_size"] == "auto"
     log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout

@@ -62,6 +62,31 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
         cluster.playbook("stop.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
 
 
+def test_a_followed_run_stopped_on_purpose_ends_follow_with_rc_0_naming_the_stop(provisioned, cluster):
+    """stop.yml during a followed launch: the launch's follow ends with rc 0 and "stopped by
+    stop.yml at step N" (N the last step logged); status.yml -e follow=true of the stopped run
+    says the same."""
+    run_id, followed = "rc-follow-stop", {}
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf {RUNS}/{run_id}")
+    train = json.dumps({"dsc_train_config": dict(TINY, steps=100000, log_every=5, save_every=100000)})
+    launch = threading.Thread(target=lambda: followed.update(r=cluster.playbook(
+        "launch.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", train)))
+    launch.start()
+    try:
+        wait(lambda: last_step(cluster, RUNS, run_id) > 5, 240, f"{run_id} training")
+        stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        assert stop.returncode == 0, stop.output[-3000:]
+        launch.join(300)
+        said = f"Run {run_id} stopped by stop.yml at step {last_step(cluster, RUNS, run_id)}."
+        assert followed["r"].returncode == 0 and said in followed["r"].output, followed["r"].output[-3000:]
+        status = cluster.playbook("status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
+        assert status.returncode == 0 and said in status.output, status.output[-3000:]
+    finally:
+        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        launch.join(60)
+
+
 def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisioned, cluster, tmp_path):
     """dsc_launch_mode no_ssh: Ansible starts DeepSpeed's launcher on every node (nothing sshes
     between nodes), the others on the port the master took; each node's row reads its own

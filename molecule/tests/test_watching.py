@@ -45,9 +45,10 @@ def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, clu
                *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
-    # while the ranks train both nodes say so (at the last step the worker's ranks may be gone
-    # first: "ended", while the master's still writes its checkpoint)
-    training = [x for x in lines if "ranks alive 1" in x and f"step {FOLLOWED_STEPS}/" not in x]
+    # while the ranks train both nodes say so, and both nodes' ranks count (one each; at the last
+    # step the worker's ranks may be gone first: "ended", while the master's still writes its
+    # checkpoint)
+    training = [x for x in lines if "ranks alive 2" in x and f"step {FOLLOWED_STEPS}/" not in x]
     assert training and all(f"nodes {cluster.names[0]}:running {cluster.names[1]}:running" in x for x in training), lines
     assert f"Plot: {PLOTS}/{run_id}.png" in r.output and is_png(PLOTS / f"{run_id}.png")
 

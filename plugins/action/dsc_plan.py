@@ -2,8 +2,9 @@
 
 Run by roles/plan (run_once, registered as `dsc_plan` on every host of the play); the logic is in
 plugins/module_utils/dsc_plan.py. It reads each node's inventory values through hostvars, the
-nodes' probes (the `probe_var` each node registered), the run options from the play, and the
-defaults from roles/plan/meta/argument_specs.yml and requirements/pins.env; it fails with every problem at once.
+nodes' probes (the `probe_var` each node registered), the run options from the play, the names
+given with -e, and the defaults from roles/plan/meta/argument_specs.yml and requirements/pins.env;
+it fails with every problem at once.
 """
 from __future__ import annotations
 
@@ -64,12 +65,14 @@ class ActionModule(ActionBase):
             msg = (f"host(s) {', '.join(dropped)} failed before the plan (see above). Fix that "
                    f"first: every check of the cluster needs every node.")
             return failed(result, [msg])
-        inventory, probes, unreachable = {}, {}, []
+        inventory, variables, probes, unreachable = {}, {}, {}, []
         for name in names:
             hv = hostvars[name]
             wanted = (dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + dsc_plan.SECRET_SETTINGS
                       + ("ansible_host", "ansible_port"))
             inventory[name] = {var: plain(hv[var]) for var in wanted if var in hv}
+            # Names only (iterating hostvars templates nothing): undeclared settings are refused.
+            variables[name] = [var for var in hv if str(var).startswith(dsc_plan.SETTING_PREFIXES)]
             probe = hv.get(probe_var) or {}
             if probe.get("unreachable") or probe.get("failed") or "stdout" not in probe:
                 why = " ".join(str(probe.get("msg") or probe.get("stderr") or "no answer").split())
@@ -100,7 +103,8 @@ class ActionModule(ActionBase):
             inventory, {k: list(v) for k, v in groups.items()}, probes, defaults,
             {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
             full_run=run_kind in ("probe", True), refuse_active=run_kind is True,
-            firewall=dsc_plan.as_bool(self._templar.template(args.get("firewall", False))))
+            firewall=dsc_plan.as_bool(self._templar.template(args.get("firewall", False))),
+            variables=variables, extra_vars=frozenset(map(str, load_extra_vars(self._loader))))
         if errors:
             return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
         result.update(plan)

@@ -19,7 +19,8 @@ DOCUMENTATION = """
     short_description: default output, with a followed run's progress instead of retry messages
     description:
       - Ansible's default stdout callback; a retry of the node helper's status (follow=true)
-        prints step/total, loss, tokens/s (or samples/s), elapsed time, ETA and ranks alive.
+        prints the step (of its total where known), loss, tokens/s (or samples/s), elapsed time,
+        ETA (where the total is known) and the ranks alive on every node.
     extends_documentation_fragment:
       - default_callback
       - result_format_callback
@@ -31,7 +32,11 @@ def _duration(seconds):
 
 
 def progress_line(stdout, now=None):
-    """One line from the helper's status JSON, or None when stdout is not one."""
+    """One line from the helper's status JSON, or None when stdout is not one. The total and the
+    ETA only where the helper knows the run's total (its status says which runs do); the ETA at
+    the pace of the last logged steps (a resumed run's earlier attempt and any start-up are not
+    in it). Ranks alive: every node's (the status's `nodes`, read through pdsh), else this
+    node's, named."""
     try:
         st = json.loads(stdout or "")
     except ValueError:
@@ -51,13 +56,16 @@ def progress_line(stdout, now=None):
     elif last.get("samples_per_s") is not None:
         parts.append(f"{last['samples_per_s']:,.1f} samples/s")
     if st.get("started"):
-        elapsed = now - st["started"]
-        parts.append(f"elapsed {_duration(elapsed)}")
-        if step and total and step < total:
-            parts.append(f"ETA {_duration(elapsed / step * (total - step))}")
-    parts.append(f"ranks alive {st.get('ranks_alive', 0)}")
-    if st.get("nodes"):
-        parts.append("nodes " + " ".join(f"{n}:{v}" for n, v in st["nodes"].items()))
+        parts.append(f"elapsed {_duration(now - st['started'])}")
+    pace = last.get("step_time_s")
+    if step is not None and total and step < total and pace:
+        parts.append(f"ETA {_duration(pace * (total - step))}")
+    nodes = st.get("nodes") or {}
+    if nodes:
+        parts.append(f"ranks alive {sum(n.get('ranks_alive', 0) for n in nodes.values())}")
+        parts.append("nodes " + " ".join(f"{name}:{n.get('state')}" for name, n in nodes.items()))
+    else:
+        parts.append(f"ranks alive {st.get('ranks_alive', 0)} on {st.get('host', 'this node')}")
     if st.get("restarts"):
         parts.append(f"restarts {st['restarts']}")
     return ", ".join(parts)

@@ -5,7 +5,9 @@ plugins/module_utils/dsc_plan.py, derived once by the dsc_plan action).
     {{ hostvars | dsc_version_diff(names) }}           -> messages for versions that differ
     {{ status | dsc_status_row }}                      -> one node's row of status.yml
     {{ status | dsc_step_down_lines }}                 -> preset=auto's steps down, a line each
+    {{ status | dsc_run_end }}                         -> how a followed run ended, in words
     {{ rows | dsc_runs_table }}                        -> runs.yml's table
+    {{ sections | dsc_log_sections(log, read_on) }}    -> logs.yml's last lines under their headers
 """
 from __future__ import annotations
 
@@ -68,26 +70,59 @@ def step_down_lines(st):
             for d in (st or {}).get("step_downs") or []]
 
 
+def run_end(st):
+    """How a followed run ended: finished or stopped on purpose (follow ends with rc 0), at the
+    last step it logged; otherwise the state and the first error of its latest attempt, with
+    that node's traceback (follow fails with it)."""
+    st = st or {}
+    run, state = f"Run {st.get('run_id', '?')}", st.get("state", "?")
+    step = (st.get("last") or {}).get("step")
+    at = f" at step {step}" if step is not None else ""
+    if state == "finished":
+        return f"{run} finished{at}."
+    if state == "stopped":
+        by = f" by {st['stopped_by']}" if st.get("stopped_by") else ""
+        return f"{run} stopped{by}{at or ' before its first step'}."
+    error = st.get("first_error") or (
+        f"no error line in its log (exit code {st['exit_code']})" if st.get("exit_code") is not None
+        else "its supervisor ended without an exit code (killed, or its node restarted)")
+    return "\n".join([f"{run} {state}: {error}"] + list(st.get("traceback") or []))
+
+
 def runs_table(rows):
-    """runs.yml's table: a header and a line per run, newest first."""
+    """runs.yml's table: a header and a line per run, newest first. Config: the preset where the
+    toolkit's preset is the run's config, else the ZeRO stage the run's engine reported (the node
+    helper's config_label). Throughput in the unit the run logs: tokens/s (train.run's metrics),
+    else samples/s (any script's progress)."""
     def cell(value, fmt="{}"):
         return "-" if value is None else fmt.format(value)
-    lines = ["run | preset | state | step | loss | tokens/s | started (UTC) | duration | restarts"]
+
+    def throughput(r):
+        if r.get("tokens_per_s") is not None:
+            return cell(r["tokens_per_s"], "{:,.0f} tokens/s")
+        return cell(r.get("samples_per_s"), "{:,.1f} samples/s")
+    lines = ["run | config | state | step | loss | throughput | started (UTC) | duration | restarts"]
     for r in rows or []:
         started = datetime.datetime.fromtimestamp(r["started"], datetime.timezone.utc)
-        lines.append(" | ".join([r["id"], cell(r.get("preset")), r["state"], cell(r.get("step")),
-                                 cell(r.get("loss"), "{:.4g}"), cell(r.get("tokens_per_s"), "{:,.0f}"),
+        lines.append(" | ".join([r["id"], cell(r.get("config")), r["state"], cell(r.get("step")),
+                                 cell(r.get("loss"), "{:.4g}"), throughput(r),
                                  started.strftime("%Y-%m-%d %H:%M"),
                                  str(datetime.timedelta(seconds=int(r["duration_s"]))),
                                  str(r.get("restarts", 0))]))
     return lines
 
 
-def log_sections(nodes):
-    """logs.yml's lines: each node's last lines under a heading (the node helper's `log`)."""
+def log_sections(sections, log, read_on=None):
+    """logs.yml's lines: each section's last lines under a header naming its node and the file
+    they were read from, "== node2 (last 5 lines) in node1:/runs/r/launcher.log". `sections`:
+    {node: lines}, as the node helper's `log` splits them; `read_on`: the node whose `log` holds
+    them all (pdsh mode: the master's, where the section "launcher" is the lines of no node's
+    ranks: DeepSpeed's runner, pdsh and the supervisor), else each node's own (no_ssh mode)."""
     out = []
-    for node, lines in (nodes or {}).items():
-        out.append(f"== {node} (last {len(lines)} lines)")
+    for name, lines in (sections or {}).items():
+        where = read_on or name
+        title = f"launcher on {where}" if name == "launcher" else name
+        out.append(f"== {title} (last {len(lines)} lines) in {where}:{log}")
         out.extend(lines)
     return out
 
@@ -99,6 +134,7 @@ class FilterModule:
             "dsc_version_diff": version_diff,
             "dsc_status_row": status_row,
             "dsc_step_down_lines": step_down_lines,
+            "dsc_run_end": run_end,
             "dsc_log_sections": log_sections,
             "dsc_runs_table": runs_table,
         }

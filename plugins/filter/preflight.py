@@ -1,11 +1,11 @@
 """Preflight verdicts: turn what each node reported into rows of PASS / WARN / FAIL with a fix.
 
-    {{ hostvars | dsc_preflight_rows(dsc_cluster, settings) }}  -> [{check, node, status, detail, fix}]
+    {{ hostvars | dsc_preflight_rows(dsc_plan, settings) }}     -> [{check, node, status, detail, fix}]
     {{ rows | dsc_preflight_table }}                             -> lines of a readable table
 
-Each node's facts come from the preflight role: __preflight_reach, __preflight_probe (dsc-preflight
-probe), __preflight_tcp (a connection to the master port); the master adds __preflight_mesh,
-__preflight_iperf and __preflight_allreduce. One row per check and node, in the order of
+Each node's facts come from the preflight role: __preflight_reach, __preflight_probe (the node
+helper's `check`), __preflight_tcp (a connection to the master port); the master adds
+__preflight_mesh, __preflight_iperf and __preflight_allreduce. One row per check and node, in the order of
 DEEPSPEED_FACTS' failure modes; a check that could not run says why.
 """
 from __future__ import annotations

@@ -12,6 +12,11 @@ the run options) and hands the result to every later play as `dsc_plan`. Inputs:
     probes    {node: what `dsc_node.py probe` printed}: gpus, interfaces, infiniband, runs
     defaults  {variable: default}         roles/plan/meta/argument_specs.yml's defaults
     paths     {"repo": ..., "templates": ...} on the control node
+    variables {node: [names]}             every variable name a node has (undeclared settings)
+    extra_vars {names}                    the names given with -e (a resume refuses LAUNCH_ONLY)
+
+make_plan's plan is asdict() of a Plan (launch, resume, preflight) or a CompanionPlan (the other
+playbooks): those records declare every key the roles read.
 
 Every problem comes back at once, each naming the variable, the host and the fix; a value that
 must be the same on every node is reported once, not once per node.
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import base64
 import copy
+import difflib
+import functools
 import hashlib
 import importlib.util
 import io
@@ -30,6 +37,7 @@ import posixpath
 import re
 import tarfile
 import urllib.parse
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CLUSTER_GROUP = "cluster"
@@ -73,6 +81,19 @@ RUN_OPTIONS = (
     "dsc_launcher_args", "dsc_stall_timeout_s", "dsc_stall_fail", "plot_runs",
     "dsc_tensorboard", "dsc_model_shape", "dsc_auto_memory_gib",
 )
+# The prefixes of the toolkit's settings: a variable with one that no role's meta/argument_specs.yml
+# declares is refused (a mistyped name, or an earlier version's, would be ignored without a word).
+SETTING_PREFIXES = ("dsc_", "cluster_network_")
+# Settings renamed since an earlier version: the old name -> the one read now.
+RETIRED_SETTINGS = {
+    "cluster_network_nccl_debug": "dsc_nccl_debug",
+    "cluster_network_pg_timeout_min": "dsc_pg_timeout_min",
+    "cluster_network_env": "dsc_rank_env",
+}
+# What the toolkit itself sets with those prefixes (the plan, facts the roles record): a node
+# has them when several playbooks run in one ansible-playbook command; never a setting.
+TOOLKIT_VARIABLES = ("dsc_plan", "dsc_versions", "dsc_run_status", "dsc_python_version_installed",
+                     "dsc_torch_probe", "dsc_preflight_rows")
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
 # --deepspeed_config (deepspeed.add_config_arguments), HF Trainer scripts --deepspeed; "env" hands
@@ -91,6 +112,16 @@ LAUNCH_SPEC = (
     "dsc_code_dir", "dsc_code_shared", "dsc_entry_module", "dsc_entry_script", "dsc_entry_args",
     "dsc_train_config", "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg",
     "dsc_resume_args", "dsc_launcher_args",
+)
+# Run options that only a launch applies: they shape the files and code written into the run
+# directory then (ds_config.json, train.json, .deepspeed_env, memory.json, code/), which a resume
+# keeps as they are; resume refuses them given with -e. dsc_code_dir too, unless the code is on a
+# shared filesystem (run from there, not copied). What a resume does apply: the entry point and
+# its arguments, resume and launcher arguments, restarts, stall handling, follow, preflight.
+LAUNCH_ONLY = (
+    "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
+    "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_tensorboard",
+    "dsc_train_config", "dsc_model_shape", "dsc_auto_memory_gib", "dsc_code_shared",
 )
 # DeepSpeed launcher options a run may add (dsc_launcher_args): flag -> takes a value. The rest
 # (hostfile, include, ports, node rank, ssh) are the plan's.
@@ -333,6 +364,43 @@ def control_characters(hostvars, names, options, problems):
         if var in (options or {}) and var not in JSON_ONLY:
             for path, char in _control_paths(options[var], var):
                 problems.add(f"{path} holds a control character ({char!r}). {fix}")
+
+
+@functools.lru_cache(maxsize=None)
+def declared_settings(repo):
+    """Every option a role's meta/argument_specs.yml declares (each entry point's): the settings."""
+    import yaml  # the control node has it (Ansible needs it)
+    names = set()
+    for spec in Path(repo, "roles").glob("*/meta/argument_specs.yml"):
+        for entry in yaml.safe_load(spec.read_text())["argument_specs"].values():
+            names.update(entry.get("options") or {})
+    return frozenset(names)
+
+
+def undeclared_settings(variables, extra_vars, declared, problems):
+    """A variable with a setting's prefix (SETTING_PREFIXES) that no role declares, set for a node
+    (`variables`: {node: the names it has}) or given with -e (`extra_vars`), is refused once,
+    naming its hosts: a retired one names the setting that replaced it."""
+    hosts = {}
+    for node, names in variables.items():
+        for name in names:
+            if name not in extra_vars:
+                hosts.setdefault(str(name), []).append(node)
+    where = {name: f"on host{'s' if len(at) > 1 else ''} {', '.join(at)}" for name, at in hosts.items()}
+    where.update({str(name): "(given with -e)" for name in sorted(extra_vars)})
+    for name, at in where.items():
+        if not name.startswith(SETTING_PREFIXES) or name in declared or name in TOOLKIT_VARIABLES:
+            continue
+        current = RETIRED_SETTINGS.get(name)
+        if current:
+            problems.add(f"{name} {at} is the name of an earlier version: the setting is {current} now, "
+                         f"and {name} would be ignored. Fix: rename it to {current}.")
+            continue
+        close = difflib.get_close_matches(name, sorted(declared), n=1, cutoff=0.8)
+        problems.add(f"{name} {at} is not a setting: no role declares it (roles/*/meta/argument_specs.yml), "
+                     f"so it would be ignored. Fix: "
+                     + (f"{close[0]}, if that is what you meant, or remove it." if close else
+                        "remove it, or correct its name (roles/plan/meta/argument_specs.yml lists the settings)."))
 
 
 def _existing_python(problems, py, where):
@@ -1108,11 +1176,28 @@ def _run_options(options, defaults, runs_seen):
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
     opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
     if as_bool(opt["resume"]):  # the run's own launch spec: the same entry, arguments, preset and
-        # batch, except what this command gives explicitly (-e), e.g. more steps
+        # batch, except what this command gives explicitly (-e), e.g. more steps; never what
+        # only a launch applies (its files keep the run's own: _refused_on_resume)
         wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
         spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
-        opt.update({k: v for k, v in spec.items() if k in LAUNCH_SPEC and k not in options})
+        opt.update({k: v for k, v in spec.items()
+                    if k in LAUNCH_SPEC and (k not in options or k in LAUNCH_ONLY)})
     return opt
+
+
+def _refused_on_resume(extra_vars, opt, run_id, problems):
+    """On resume: the -e options only a launch applies (LAUNCH_ONLY; dsc_code_dir where the run's
+    code was copied into it) are refused, naming them: the resume would ignore them."""
+    given = [k for k in LAUNCH_ONLY if k in extra_vars]
+    if "dsc_code_dir" in extra_vars and not as_bool(opt["dsc_code_shared"]):
+        given.append("dsc_code_dir")
+    if given:
+        one = len(given) == 1
+        problems.add(f"{', '.join(given)} given with -e on resume: a resume keeps the files and code "
+                     f"run {run_id!r} was launched with (ds_config.json, train.json, .deepspeed_env, "
+                     f"memory.json, code/), so {'it' if one else 'they'} would be ignored. Fix: launch a "
+                     f"new run with {'this option' if one else 'these options'} (launch.yml), or resume "
+                     f"without {'it' if one else 'them'}.")
 
 
 def _run_id(opt, preset, plan, runs_seen, now, problems):
@@ -1714,8 +1799,9 @@ def _step_down(plan, s, opt, options, paths, mode, ladder, overrides, user_confi
     return {"ladder": steps, "index": 0}
 
 
-def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True):
-    """The run's part of the plan: id, directory, ds_config, files and the launcher command."""
+def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
+    """The run's part of the plan: id, directory, ds_config, files and the launcher command.
+    `extra_vars`: the names given with -e (a resume refuses the LAUNCH_ONLY ones)."""
     opt = _run_options(options, defaults, runs_seen)
     resume = as_bool(opt["resume"])
     known = presets(paths["templates"])
@@ -1733,6 +1819,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
                      f"templates/ds_config/{preset}.json).")
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
+    if resume:
+        _refused_on_resume(extra_vars, opt, run_id, problems)
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not _is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
@@ -1870,17 +1958,17 @@ def run_reference(run_id, runs, run_root):
     return (run_id or None), (f"{run_root}/{run_id}" if run_id else None), None
 
 
-def _plot_runs(given, plan, problems):
-    """The runs plot.yml draws: those given (each a run on the master), else the run."""
+def _plot_runs(given, run_id, plan, problems):
+    """The runs plot.yml draws: those given (each a run on the master), else the run (run_id)."""
     if not isinstance(given, list):
         problems.add(f"plot_runs is {given!r}. Fix: a list of run ids, e.g. [\"zero2-a\", \"zero3-b\"].")
         return []
-    known = [r["id"] for r in plan["runs"]]
-    for run_id in map(str, given):
-        if run_id not in known:
-            problems.add(f"plot_runs: no run {run_id!r} under {plan['run_root']} on {plan['master']}. "
+    known = [r["id"] for r in plan.runs]
+    for wanted in map(str, given):
+        if wanted not in known:
+            problems.add(f"plot_runs: no run {wanted!r} under {plan.run_root} on {plan.master}. "
                          f"Fix: one of {', '.join(known[:8]) or 'none there yet'} (runs.yml lists them).")
-    newest = [plan["run_id"]] if plan["run_id"] else known[:1]
+    newest = [run_id] if run_id else known[:1]
     return [str(r) for r in given] or newest
 
 
@@ -1904,12 +1992,93 @@ def code_archive(code_dir, limit=64 * 2**20):
     return base64.b64encode(buf.getvalue()).decode()
 
 
+@dataclass
+class Plan:
+    """The plan: what every play after the first reads as `dsc_plan` (make_plan hands Ansible
+    asdict() of it). Its fields are the keys roles/, playbooks/ and templates/ may read; a unit
+    test fails on a `dsc_plan.<key>` there that is not one of them, and on a field none reads."""
+    cluster_name: str
+    nodes: list[dict]  # a record per node in rank order (_nodes): name, rank, addr, slots, gpus, iface, ...
+    node: dict[str, dict]  # the same records by inventory name
+    node_names: list[str]  # in rank order, the master first
+    addrs: list[str]  # the training addresses, in rank order
+    master: str  # the inventory name of rank 0's node
+    master_addr: str
+    num_nodes: int
+    world_size: int  # ranks on all nodes together
+    ssh_ports: list[int]  # the nodes' sshd ports, each once (the launcher's --ssh_port)
+    accelerator: str  # cuda when every node has a GPU, else cpu
+    cuda_arch_list: str  # the GPUs' compute capabilities, TORCH_CUDA_ARCH_LIST's format
+    env_manager: str  # venv, conda or existing (dsc_env_manager)
+    install_root: str
+    run_root: str
+    cache_dir: str  # node-local caches (op builds, Triton) under the install root
+    torch_extensions_dir: str
+    env_prefix: str  # the Python env's prefix: its bin/ leads every rank's PATH
+    python: str  # the env's interpreter
+    pip: str  # the env's pip script; empty for an existing interpreter, which may have none: pip tasks use its module
+    env_owner: str  # who runs pip in the env (and owns it)
+    install_packages: bool  # torch and DeepSpeed installed into the env (an existing one: dsc_existing_install)
+    manage_packages: bool  # the OS packages installed (base_packages)
+    train_user: str
+    python_version: str
+    torch_version: str
+    torch_variant: str  # the CUDA variant of torch's wheel index (TORCH_INDEXES)
+    deepspeed_version: str
+    conda_env_name: str
+    conda_installer_file: str
+    conda_installer_sha256: str
+    conda_accept_tos: bool
+    wheelhouse: str  # on the control node; empty: installs come from an index
+    node_wheelhouse: str  # where the wheelhouse is pushed on every node
+    torch_requirements: list[str]  # dsc_requirements' torchvision/torchaudio: installed with torch, from its index
+    requirements: list[str]  # the rest of dsc_requirements: installed with DeepSpeed (both at torch's pin)
+    data_dir: str
+    data_shared: bool
+    secret_names: list[str]  # the names in dsc_secrets, never the values
+    pip_source_args: str  # pip's source (pip_sources) for DeepSpeed, the requirements, a lock's sdists
+    pip_lock_args: str  # pip's source for a lock's wheels (torch's index beside the index)
+    pip_torch_args: str  # pip's source for an unlocked torch (its CUDA-variant index)
+    lock: dict  # the wheelhouse's lock or dsc_node_lock ({} without): installed exactly, sha256 checked
+    locked: bool
+    master_port_first: int
+    master_port_last: int
+    launch_mode: str  # pdsh or no_ssh (dsc_launch_mode)
+    firewall: bool  # roles/cluster_network manages the host firewall (cluster_network_firewall)
+    ssh_sources: list[str]  # cluster_network_ssh_sources
+    node_env: dict[str, str]  # the environment of every DeepSpeed process on a node (op builds, probes)
+    rank_env: dict[str, str]  # the ranks' environment (.deepspeed_env)
+    helper: str  # the node helper's path on the nodes
+    helper_src: str  # the node helper on the control node
+    helper_sha256: str
+    runs: list[dict]  # the runs under run_root on the master, newest first (its probe)
+    run: dict | None  # launch, resume, preflight: the run to start (_run); None for the other playbooks
+
+
+# Plan fields that no role, playbook or template reads, by design: ssh_ports is the plan's own
+# input to the launcher command (_commands); cuda_arch_list tells a person reading the plan (-v)
+# which architectures the op builds target (node_env's TORCH_CUDA_ARCH_LIST carries them).
+PLAN_FIELDS_NOT_READ_BY_ROLES = ("ssh_ports", "cuda_arch_list")
+
+
+@dataclass
+class CompanionPlan(Plan):
+    """The plan of a playbook that starts no run (provision, runs, status, stop, logs, plot), with
+    the run status, stop, logs and plot act on."""
+    run_id: str | None  # -e run_id, else the active run; None: neither (they refuse, listing the runs)
+    run_dir: str | None
+    plot_runs: list[str]  # the runs plot.yml draws: -e plot_runs, else the run
+
+
 def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
-              check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False):
+              check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False,
+              variables=None, extra_vars=()):
     """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
     are the run options; `full_run` (launch, resume) derives the whole run, else only which run
     status, stop and logs act on; `firewall` (provision) refuses a node whose firewall the
-    toolkit would not manage alone."""
+    toolkit would not manage alone. `variables` ({node: the names of its variables}; default
+    hostvars' own) and `extra_vars` (the names given with -e) find undeclared settings, and the
+    -e options a resume cannot apply."""
     problems = Problems()
     names = node_order(groups)
     if not names:
@@ -1917,6 +2086,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                       f"your nodes under 'all: children: {CLUSTER_GROUP}: hosts:' (see "
                       f"inventory/example/hosts.yml), and check the -i path."]
     control_characters(hostvars, names, options, problems)
+    undeclared_settings(variables if variables is not None else {n: list(hostvars.get(n) or {}) for n in names},
+                        extra_vars, declared_settings(paths["repo"]), problems)
     s = _cluster_settings(hostvars, defaults, names, problems)
     _check_settings(s, names[0], problems, check_dir)
     torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
@@ -1964,7 +2135,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
             partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
                        "master": names[0], "world_size": None}
             runs = (probes.get(names[0]) or {}).get("runs") or []
-            _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active)
+            _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active, extra_vars)
         else:
             problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
             if problem:
@@ -1996,70 +2167,60 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         rank_env["DSC_SECRETS"] = "1"
     manager = s["dsc_env_manager"]
     wheelhouse = str(s["dsc_wheelhouse"] or "")
-    plan = {
-        "cluster_name": str(s["dsc_cluster_name"]),
-        "nodes": nodes, "node": {n["name"]: n for n in nodes},
-        "node_names": [n["name"] for n in nodes], "addrs": [n["addr"] for n in nodes],
-        "master": nodes[0]["name"], "master_addr": nodes[0]["addr"], "num_nodes": len(nodes),
-        "world_size": sum(n["slots"] for n in nodes),
-        "ssh_ports": sorted({n["ssh_port"] for n in nodes}),
-        "accelerator": accelerator, "cuda_arch_list": ";".join(caps),
-        "env_manager": manager, "install_root": install_root,
-        "run_root": str(s["dsc_run_root"] or f"{install_root}/runs").rstrip("/"),
-        "cache_dir": cache_dir, "torch_extensions_dir": node_env["TORCH_EXTENSIONS_DIR"],
-        "env_prefix": prefix, "python": python,
-        # pip of the env; empty for an existing interpreter, which may have no pip script
-        # (uv-made venvs): the pip tasks then use that interpreter's pip module.
-        "pip": "" if manager == "existing" else f"{prefix}/bin/pip",
-        # Who owns the env and so runs pip in it.
-        # An existing interpreter: root when it is root's alone, else its one owner (it runs
-        # only as that user; see existing_owner).
-        "env_owner": env_owner if manager == "existing" else str(s["dsc_train_user"]),
-        "install_packages": manager != "existing" or as_bool(s["dsc_existing_install"]),
-        "manage_packages": as_bool(s["dsc_manage_packages"]),
-        "train_user": str(s["dsc_train_user"]),
-        "python_version": str(s["dsc_python_version"]),
-        "torch_version": str(s["dsc_torch_version"]),
-        "torch_variant": str(s["dsc_torch_variant"]),
-        "deepspeed_version": str(s["dsc_deepspeed_version"]),
-        "conda_env_name": str(s["dsc_conda_env_name"]),
-        "conda_installer_file": str(s["dsc_conda_installer_file"] or ""),
-        "conda_installer_sha256": str(s["dsc_conda_installer_sha256"] or ""),
-        "conda_accept_tos": as_bool(s["dsc_conda_accept_tos"]),
-        "wheelhouse": wheelhouse, "node_wheelhouse": f"{install_root}/wheelhouse",
-        # The cluster's own packages (dsc_requirements): torchvision/torchaudio with torch, from
-        # its index; the rest with DeepSpeed. Both installs hold torch and DeepSpeed at their pins.
-        "torch_requirements": torch_requirements, "requirements": requirements,
-        "data_dir": data["dir"], "data_shared": data["shared"], "secret_names": secrets,
-        # pip's source for every install: the wheelhouse pushed to the node when there is one
-        # (offline), else the index (dsc_pip_index_url, or pip's own when empty); torch's own
-        # CUDA-variant index for torch, beside the index when a lock pins everything's files.
+    plan = Plan(
+        cluster_name=str(s["dsc_cluster_name"]),
+        nodes=nodes, node={n["name"]: n for n in nodes},
+        node_names=[n["name"] for n in nodes], addrs=[n["addr"] for n in nodes],
+        master=nodes[0]["name"], master_addr=nodes[0]["addr"], num_nodes=len(nodes),
+        world_size=sum(n["slots"] for n in nodes),
+        ssh_ports=sorted({n["ssh_port"] for n in nodes}),
+        accelerator=accelerator, cuda_arch_list=";".join(caps),
+        env_manager=manager, install_root=install_root,
+        run_root=str(s["dsc_run_root"] or f"{install_root}/runs").rstrip("/"),
+        cache_dir=cache_dir, torch_extensions_dir=node_env["TORCH_EXTENSIONS_DIR"],
+        env_prefix=prefix, python=python,
+        pip="" if manager == "existing" else f"{prefix}/bin/pip",
+        # An existing interpreter runs only as its one owner, or root when it is root's alone
+        # (existing_owner).
+        env_owner=env_owner if manager == "existing" else str(s["dsc_train_user"]),
+        install_packages=manager != "existing" or as_bool(s["dsc_existing_install"]),
+        manage_packages=as_bool(s["dsc_manage_packages"]),
+        train_user=str(s["dsc_train_user"]),
+        python_version=str(s["dsc_python_version"]),
+        torch_version=str(s["dsc_torch_version"]),
+        torch_variant=str(s["dsc_torch_variant"]),
+        deepspeed_version=str(s["dsc_deepspeed_version"]),
+        conda_env_name=str(s["dsc_conda_env_name"]),
+        conda_installer_file=str(s["dsc_conda_installer_file"] or ""),
+        conda_installer_sha256=str(s["dsc_conda_installer_sha256"] or ""),
+        conda_accept_tos=as_bool(s["dsc_conda_accept_tos"]),
+        wheelhouse=wheelhouse, node_wheelhouse=f"{install_root}/wheelhouse",
+        torch_requirements=torch_requirements, requirements=requirements,
+        data_dir=data["dir"], data_shared=data["shared"], secret_names=secrets,
         **pip_sources(f"{install_root}/wheelhouse" if wheelhouse else "", str(s["dsc_pip_index_url"] or ""),
                       TORCH_INDEXES.get(s["dsc_torch_variant"], "")),
-        # With a lock (the wheelhouse's or dsc_node_lock), one install of exactly it, every
-        # file's sha256 checked: its wheels, then its source packages built without isolation.
-        "lock": lock or {}, "locked": bool(lock),
-        "master_port_first": int(s["dsc_master_port"]),
-        "master_port_last": int(s["dsc_master_port_last"]),
-        "launch_mode": s["dsc_launch_mode"],
-        "firewall": as_bool(s["cluster_network_firewall"]),
-        "ssh_sources": s["cluster_network_ssh_sources"],
-        "node_env": node_env, "rank_env": rank_env,
-        "helper": helper_module.INSTALLED_PATH, "helper_src": helper_src,
-        "helper_sha256": helper_module.sha256(helper_src),
-        "runs": (probes.get(nodes[0]["name"]) or {}).get("runs") or [],
-        "run": None,
-    }
+        lock=lock or {}, locked=bool(lock),
+        master_port_first=int(s["dsc_master_port"]),
+        master_port_last=int(s["dsc_master_port_last"]),
+        launch_mode=s["dsc_launch_mode"],
+        firewall=as_bool(s["cluster_network_firewall"]),
+        ssh_sources=s["cluster_network_ssh_sources"],
+        node_env=node_env, rank_env=rank_env,
+        helper=helper_module.INSTALLED_PATH, helper_src=helper_src,
+        helper_sha256=helper_module.sha256(helper_src),
+        runs=(probes.get(nodes[0]["name"]) or {}).get("runs") or [],
+        run=None,
+    )
     options = options or {}
     if full_run:
-        plan["run"] = _run(plan, s, options, defaults, paths, problems, plan["runs"], now,
-                           refuse_active)
+        plan.run = _run(asdict(plan), s, options, defaults, paths, problems, plan.runs, now,
+                        refuse_active, extra_vars)
     else:
-        plan["run_id"], plan["run_dir"], problem = run_reference(
-            str(options.get("run_id") or ""), plan["runs"], plan["run_root"])
+        run_id, run_dir, problem = run_reference(str(options.get("run_id") or ""), plan.runs, plan.run_root)
         if problem:
             problems.add(problem)
-        plan["plot_runs"] = _plot_runs(options.get("plot_runs") or [], plan, problems)
+        plan = CompanionPlan(**vars(plan), run_id=run_id, run_dir=run_dir,
+                             plot_runs=_plot_runs(options.get("plot_runs") or [], run_id, plan, problems))
     if problems.messages:
         return None, problems.messages
-    return plan, []
+    return asdict(plan), []

@@ -12,8 +12,11 @@ import sys
 
 
 def series(rows, key):
-    points = [(r["step"], r[key]) for r in rows
-              if isinstance(r, dict) and r.get("step") is not None and r.get(key) is not None]
+    """(steps, values) of `key` in step order. A resumed run logs again the steps between its
+    checkpoint and where it stopped (metrics 1..120, then 101..200): for a step logged more than
+    once the latest record counts, so the line never runs backwards."""
+    latest = {r["step"]: r for r in rows if isinstance(r, dict) and r.get("step") is not None}
+    points = [(step, r[key]) for step, r in sorted(latest.items()) if r.get(key) is not None]
     return [p[0] for p in points], [p[1] for p in points]
 
 

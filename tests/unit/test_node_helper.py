@@ -309,14 +309,18 @@ def test_runs_table_has_a_row_per_run_newest_first(tmp_path):
     for i, (name, files) in enumerate([("old", {"run_id": "old\n", "launcher.log": "x", "exit_code": "0\n",
                                                "metrics.jsonl": '{"step": 5, "loss": 1.5, "tokens_per_s": 900}\n',
                                                "launch.json": '{"preset": "zero3"}'}),
+                                       ("own", {"run_id": "own\n", "launcher.log": "x", "exit_code": "0\n",
+                                                "progress.jsonl": '{"step": 3, "loss": 2.0, "samples_per_s": 12.5}\n'}),
                                        ("new", {"run_id": "new\n", "launcher.log": "x", "exit_code": "1\n"})]):
         (tmp_path / name).mkdir()
         for f, text in files.items():
             (tmp_path / name / f).write_text(text)
         os.utime(tmp_path / name / "run_id", (1000 + i, 1000 + i))
     rows = dsc_node.runs_table(tmp_path)
-    assert [(r["id"], r["state"], r["preset"], r["step"]) for r in rows] == [
-        ("new", "failed", None, None), ("old", "finished", "zero3", 5)]
+    assert [(r["id"], r["state"], r["config"], r["step"]) for r in rows] == [
+        ("new", "failed", None, None), ("own", "finished", None, 3), ("old", "finished", "preset zero3", 5)]
+    # train.run's tokens/s and another script's samples/s stay apart: the table shows each's unit
+    assert [(r["tokens_per_s"], r["samples_per_s"]) for r in rows] == [(None, None), (None, 12.5), (900, None)]
 
 
 def test_secrets_are_written_0600_beside_the_run_dir_never_in_it(tmp_path):
@@ -786,3 +790,171 @@ def test_root_paths_name_the_ssh_files_of_the_training_users_home():
     assert {p for p, v in paths.items() if v == "dsc_train_user"} == {
         "/home/u/.ssh", "/home/u/.ssh/authorized_keys", "/home/u/.ssh/id_ed25519",
         "/home/u/.ssh/known_hosts", "/home/u/.ssh/config"}
+
+
+def test_a_total_only_where_the_run_knows_it_and_never_below_the_step(tmp_path):
+    """train.run's metrics carry its config's steps; a user's script's progress carries none (the
+    run's train.json, which such a script never reads, says nothing: no "step 600/20"); a total
+    below the step is not the run's."""
+    (tmp_path / "train.json").write_text(json.dumps({"steps": 20}))
+    (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 600, "loss": 2.0}) + "\n")
+    assert dsc_node.status(tmp_path, "own")["total_steps"] is None
+    (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 600, "total_steps": 1000}) + "\n")
+    assert dsc_node.status(tmp_path, "own")["total_steps"] == 1000  # HF's Trainer said it
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 155, "total_steps": 800}) + "\n")
+    assert dsc_node.status(tmp_path, "train")["total_steps"] == 800
+    assert dsc_node.total_steps({"step": 30, "total_steps": 20}) is None
+    assert dsc_node.total_steps({"step": 20, "total_steps": 20}) == 20 and dsc_node.total_steps(None) is None
+
+
+class FakeEngine:
+    """What the entry shim reads of DeepSpeed's engine: rank, steps, samples, ZeRO stage."""
+
+    def __init__(self, rank=0, stage=3):
+        self.global_rank, self.global_steps, self.global_samples, self.stage = rank, 0, 0, stage
+        self.device = None
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def get_lr(self):
+        return [1e-3]
+
+    def backward(self, loss):
+        return loss
+
+    def step(self):
+        self.global_steps += 1
+        self.global_samples += 8
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
+        return None
+
+
+class FakeLoss:
+    def __init__(self, value):
+        self.value = value
+
+    def detach(self):
+        return self
+
+    def float(self):
+        return self
+
+    def __add__(self, other):
+        return FakeLoss(self.value + other.value)
+
+    def item(self):
+        return self.value
+
+
+def trainer_callback_module():
+    """transformers.trainer_callback as the entry shim sees it: a CallbackHandler whose
+    on_train_begin HF's Trainer calls once state.max_steps is set."""
+    class CallbackHandler:
+        def on_train_begin(self, args, state, control):
+            return control
+    return type("module", (), {"CallbackHandler": CallbackHandler})
+
+
+def test_the_entry_shim_logs_hf_trainers_total_and_the_pace_and_records_the_engines_zero_stage(tmp_path):
+    class Engine(FakeEngine):
+        pass
+    watch = dsc_node.EngineWatch(tmp_path / "progress.jsonl", every=0)
+    watch.patch(Engine)
+    module = trainer_callback_module()
+    watch.watch_trainer(module)
+    Engine(rank=1, stage=2)
+    assert not (tmp_path / "engine.json").exists()  # global rank 0's alone
+    engine = Engine(rank=0, stage=3)
+    assert json.loads((tmp_path / "engine.json").read_text())["zero_stage"] == 3
+    engine.backward(FakeLoss(2.0))
+    engine.step()
+    state = type("TrainerState", (), {"max_steps": 500})()
+    assert module.CallbackHandler().on_train_begin(None, state, "control") == "control"
+    for loss in (1.5, 1.0):
+        engine.backward(FakeLoss(loss))
+        engine.step()
+    lines = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert [(x["step"], x.get("total_steps"), x["loss"]) for x in lines] == [(1, None, 2.0), (2, 500, 1.5), (3, 500, 1.0)]
+    assert lines[0]["step_time_s"] is None and lines[1]["step_time_s"] >= 0  # the first holds start-up
+    # a Trainer that trains by epochs of an unknown length (max_steps 0) gives no total
+    watch.total_steps = None
+    module.CallbackHandler().on_train_begin(None, type("TrainerState", (), {"max_steps": 0})(), None)
+    assert watch.total_steps is None
+
+
+def test_the_config_shown_is_the_preset_only_where_the_preset_is_the_config(tmp_path):
+    """dsc_ds_config_mode preset: the preset; none, hf, file: the ZeRO stage the run's engine
+    reported, "its own" before it has; the launch's start answer and runs.yml say the same."""
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "launch.json").write_text(json.dumps({"preset": "zero2", "dsc_ds_config_mode": "preset"}))
+    assert dsc_node.status(run, "r1")["config"] == "preset zero2"
+    for mode in ("none", "hf", "file"):
+        (run / "launch.json").write_text(json.dumps({"preset": "zero2", "dsc_ds_config_mode": mode}))
+        (run / "engine.json").unlink(missing_ok=True)
+        assert dsc_node.status(run, "r1")["config"] == "its own ZeRO stage", mode
+        (run / "engine.json").write_text(json.dumps({"zero_stage": 3}))
+        assert dsc_node.status(run, "r1")["config"] == "ZeRO stage 3", mode
+    (run / "run_id").write_text("r1\n")
+    assert dsc_node.runs_table(tmp_path)[0]["config"] == "ZeRO stage 3"
+    assert dsc_node.config_label(dsc_node.RunDir(tmp_path / "none")) is None
+
+
+def test_start_answers_with_the_config_the_launch_message_shows(tmp_path):
+    root = tmp_path / "runs"
+    (root / "r").mkdir(parents=True)
+    (root / "r" / "launch.json").write_text(json.dumps({"preset": "zero2", "dsc_ds_config_mode": "none"}))
+    r = helper("start", root / "r", "r", "--run-root", root, "--ports", 29840, 29850, "--",
+               launcher_script(tmp_path, "exit 0"))
+    assert r.returncode == 0 and json.loads(r.stdout)["config"] == "its own ZeRO stage"
+    assert wait_for(root / "r" / "exit_code")
+
+
+def test_a_stop_on_purpose_names_who_stopped_it(tmp_path):
+    """stop.yml's stop (--by stop.yml): the marker names it, status says it with the last step;
+    a replacing launch's teardown names the new run on every node."""
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "launcher.log").write_text("x\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 7, "loss": 1.0}) + "\n")
+    out = json.loads(helper("stop", "r1-not-running", "--grace", 0, "--run-dir", run, "--by", "stop.yml").stdout)
+    assert out["left"] == 0 and (run / "stopped").read_text() == "stop.yml\n"
+    (run / "exit_code").write_text("-15\n")  # what the supervisor records after the stop
+    st = dsc_node.status(run, "r1-not-running")
+    assert (st["state"], st["stopped_by"], st["last"]["step"]) == ("stopped", "stop.yml", 7)
+    (run / "stopped").write_text("stopped\n")  # a marker that names no one (an earlier helper's)
+    assert dsc_node.status(run, "r1-not-running")["stopped_by"] is None
+    dsc_node.teardown("r1-not-running", ["node1"], str(run), by="a launch with replace=true (run r2)")
+    assert dsc_node.status(run, "r1-not-running")["stopped_by"] == "a launch with replace=true (run r2)"
+
+
+def test_follow_counts_every_nodes_ranks(tmp_path, monkeypatch):
+    """status --hosts: this node's state and ranks, and each other node's from its own status
+    through pdsh (a node with 2 ranks counts 2); a node that does not answer counts none."""
+    calls = []
+
+    def pdsh(cmd, **kwargs):
+        calls.append(cmd)
+        out = "".join(f"{n}: " + json.dumps({"state": "running", "ranks_alive": k}) + "\n"
+                      for n, k in (("node2", 2), ("node3", 1)))
+        return subprocess.CompletedProcess(cmd, 0, stdout=out + "node4: garbage\n", stderr="")
+    monkeypatch.setattr(dsc_node.subprocess, "run", pdsh)
+    own = {"state": "running", "ranks_alive": 1}
+    nodes = dsc_node.node_states(tmp_path, "r1", ["node1", "node2", "node3", "node4"], own)
+    assert nodes == {"node1": {"state": "running", "ranks_alive": 1}, "node2": {"state": "running", "ranks_alive": 2},
+                     "node3": {"state": "running", "ranks_alive": 1},
+                     "node4": {"state": "unreachable", "ranks_alive": 0}}
+    assert calls[0][calls[0].index("-w") + 1] == "node2,node3,node4"
+    assert sum(n["ranks_alive"] for n in nodes.values()) == 4
+
+
+def test_the_log_tail_names_its_file_and_keeps_the_launchers_own_lines_apart(tmp_path):
+    (tmp_path / "launcher.log").write_text("[INFO] cmd = pdsh -w node1,node2\nnode1: step 1\nnode2: step 1\n"
+                                           "pdsh@node1: node2: ssh exited with exit code 255\n")
+    tail = dsc_node.log_tail(tmp_path, "r1", lines=5, hosts=["node1", "node2"])
+    assert tail["log"] == str(tmp_path / "launcher.log")
+    assert tail["nodes"] == {"launcher": ["[INFO] cmd = pdsh -w node1,node2",
+                                          "pdsh@node1: node2: ssh exited with exit code 255"],
+                             "node1": ["step 1"], "node2": ["step 1"]}

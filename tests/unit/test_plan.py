@@ -4,8 +4,10 @@ the rendered files and the launcher command, with no node and no Ansible run.
     .venv/bin/pytest tests/unit -q
 """
 import base64
+import dataclasses
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -43,7 +45,133 @@ def plan(n=2, options=None, full_run=False, runs=(), **settings):
 
 
 def test_spec_declares_exactly_what_the_plan_reads():
-    assert set(DEFAULTS) == set(dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + dsc_plan.RUN_OPTIONS)
+    assert set(DEFAULTS) == set(dsc_plan.CLUSTER_SETTINGS + dsc_plan.SECRET_SETTINGS + dsc_plan.NODE_SETTINGS
+                                + dsc_plan.RUN_OPTIONS)
+
+
+# Where the plan is read: the roles, the playbooks and the templates (dsc_plan.<key>, dsc_plan['key']).
+PLAN_READERS = sorted([p for d in ("roles", "playbooks", "templates") for p in (ROOT / d).rglob("*") if p.is_file()]
+                      + list(ROOT.glob("*.yml")))
+PLAN_KEY = re.compile(r"\bdsc_plan(?:\.([A-Za-z_]\w*)|\[\s*['\"]([^'\"]+)['\"]\s*\])")
+
+
+def plan_reads():
+    """{key: ["file:line", ...]} of every dsc_plan key read in PLAN_READERS."""
+    reads = {}
+    for path in PLAN_READERS:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in PLAN_KEY.finditer(line):
+                reads.setdefault(m.group(1) or m.group(2), []).append(f"{path.relative_to(ROOT)}:{n}")
+    return reads
+
+
+PLAN_FIELDS = {f.name for f in dataclasses.fields(dsc_plan.CompanionPlan)}
+
+
+def test_every_plan_key_the_roles_read_is_a_field_of_the_plan():
+    unknown = [f"{where}: dsc_plan.{key}" for key, at in plan_reads().items() if key not in PLAN_FIELDS for where in at]
+    assert unknown == [], "not a field of dsc_plan.Plan or CompanionPlan:\n" + "\n".join(unknown)
+
+
+def test_every_plan_field_is_read_unless_by_design():
+    unread = sorted(PLAN_FIELDS - set(plan_reads()) - set(dsc_plan.PLAN_FIELDS_NOT_READ_BY_ROLES))
+    assert unread == [], f"plan fields nothing in roles/, playbooks/ or templates/ reads: {unread}"
+    assert set(dsc_plan.PLAN_FIELDS_NOT_READ_BY_ROLES) <= PLAN_FIELDS
+
+
+def test_the_plan_handed_to_ansible_has_the_records_fields_exactly():
+    launch, _ = plan(options={}, full_run=True)
+    status, _ = plan()
+    assert set(launch) == {f.name for f in dataclasses.fields(dsc_plan.Plan)}
+    assert set(status) == PLAN_FIELDS and status["run"] is None and launch["run"]["id"]
+
+
+DECLARED = dsc_plan.declared_settings(str(ROOT))
+
+
+def plan_given(names, extra=(), **settings):
+    """A plan whose nodes have the variables `names` and were given `extra` with -e (names only,
+    as the dsc_plan action hands them over)."""
+    hostvars, groups, probes = cluster(2, **settings)
+    variables = {h: list(hostvars[h]) + list(names) + list(extra) for h in hostvars}
+    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, variables=variables,
+                              extra_vars=set(extra))
+
+
+@pytest.mark.parametrize("retired,current", sorted(dsc_plan.RETIRED_SETTINGS.items()))
+def test_a_retired_setting_is_refused_naming_its_current_name(retired, current):
+    p, errors = plan(**{retired: "WARN"})
+    assert p is None and errors == [
+        f"{retired} on hosts node1, node2 is the name of an earlier version: the setting is {current} now, "
+        f"and {retired} would be ignored. Fix: rename it to {current}."]
+    p, errors = plan_given([], extra=[retired])
+    assert errors == [f"{retired} (given with -e) is the name of an earlier version: the setting is {current} "
+                      f"now, and {retired} would be ignored. Fix: rename it to {current}."]
+
+
+def test_an_unknown_setting_is_refused_naming_the_variable_the_host_and_the_fix():
+    hostvars, groups, probes = cluster(2)
+    hostvars["node2"]["dsc_micro_batchs"] = 4
+    hostvars["node2"]["cluster_network_firewal"] = False
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert p is None and errors == [
+        "dsc_micro_batchs on host node2 is not a setting: no role declares it (roles/*/meta/argument_specs.yml), "
+        "so it would be ignored. Fix: dsc_micro_batch, if that is what you meant, or remove it.",
+        "cluster_network_firewal on host node2 is not a setting: no role declares it "
+        "(roles/*/meta/argument_specs.yml), so it would be ignored. Fix: cluster_network_firewall, if that is "
+        "what you meant, or remove it."]
+    p, errors = plan_given([], extra=["dsc_whatever"])
+    assert errors == ["dsc_whatever (given with -e) is not a setting: no role declares it "
+                      "(roles/*/meta/argument_specs.yml), so it would be ignored. Fix: remove it, or correct its "
+                      "name (roles/plan/meta/argument_specs.yml lists the settings)."]
+
+
+def test_every_declared_setting_is_accepted_and_other_prefixes_are_not_looked_at():
+    names = sorted(n for n in DECLARED if n.startswith(dsc_plan.SETTING_PREFIXES))
+    assert "dsc_secrets" in names and "dsc_conda_installer_url" in names and "cluster_network_key_dir" in names
+    p, errors = plan_given(names + ["__plan_probe", "base_packages_extra", "ansible_host", "preset"],
+                           extra=names)
+    assert errors == [], errors
+
+
+def toolkit_set_variables():
+    """The variables the roles and playbooks set themselves (register:, set_fact)."""
+    found = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("register"), str):
+                found.add(node["register"])
+            for module in ("ansible.builtin.set_fact", "set_fact"):
+                if isinstance(node.get(module), dict):
+                    found.update(k for k in node[module] if k != "cacheable")
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    for path in sorted(ROOT.glob("roles/*/tasks/*.yml")) + sorted(ROOT.glob("playbooks/*.yml")):
+        walk(yaml.safe_load(path.read_text()))
+    return found
+
+
+def test_what_the_toolkit_sets_itself_is_never_taken_for_a_setting():
+    ours = {n for n in toolkit_set_variables() if n.startswith(dsc_plan.SETTING_PREFIXES)}
+    assert ours == set(dsc_plan.TOOLKIT_VARIABLES)
+    p, errors = plan_given(sorted(ours))
+    assert errors == [], errors
+
+
+@pytest.mark.parametrize("inventory", sorted(p.name for p in (ROOT / "inventory").iterdir() if p.is_dir()))
+def test_the_shipped_inventories_set_only_declared_settings(inventory):
+    def keys(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield k
+                yield from keys(v)
+    names = {k for path in (ROOT / "inventory" / inventory).rglob("*.yml")
+             for k in keys(yaml.safe_load(path.read_text())) if str(k).startswith(dsc_plan.SETTING_PREFIXES)}
+    assert names and names <= DECLARED, sorted(names - DECLARED)
 
 
 @pytest.mark.parametrize("name,value", [
@@ -374,6 +502,57 @@ def test_resume_is_refused_for_a_running_run_and_for_a_finished_one_unless_force
     assert any("run_id 'older' finished on node1" in e and "force=true" in e for e in errors), errors
     p, errors = plan(options={"resume": True, "force": True}, full_run=True, runs=done)
     assert errors == [] and p["run"]["id"] == "older"
+
+
+RESUMABLE = [{"id": "r1", "mtime": 1, "started": True, "active": False,
+              "launch": {"preset": "zero3", "dsc_micro_batch": 4, "dsc_entry_args": ["--epochs", "2"]}}]
+
+
+def resume_with_e(options, runs=RESUMABLE):
+    """resume.yml with `options` given with -e (resume itself is the playbook's)."""
+    hostvars, groups, probes = cluster(2, runs=runs)
+    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, dict(options, resume=True),
+                              now="20261130-000000", full_run=True, extra_vars=set(options))
+
+
+def test_resume_refuses_each_option_only_a_launch_applies_naming_it():
+    values = {"preset": "zero1", "dsc_micro_batch": 8, "dsc_grad_accum": 2, "dsc_train_batch": 64,
+              "dsc_ds_config_overrides": {"zero_optimization": {"stage": 1}}, "dsc_ds_config_mode": "hf",
+              "dsc_ds_config_file": "/srv/ds.json", "dsc_ds_config_arg": "--deepspeed", "dsc_tensorboard": True,
+              "dsc_train_config": {"steps": 100}, "dsc_model_shape": {"layers": 2}, "dsc_auto_memory_gib": 40,
+              "dsc_code_shared": True, "dsc_code_dir": str(ROOT / "train")}
+    assert set(values) == set(dsc_plan.LAUNCH_ONLY) | {"dsc_code_dir"}
+    for name, value in values.items():
+        p, errors = resume_with_e({name: value})
+        fixed = [e for e in errors if e.startswith(f"{name} given with -e on resume")]
+        assert p is None and fixed == [
+            f"{name} given with -e on resume: a resume keeps the files and code run 'r1' was launched with "
+            f"(ds_config.json, train.json, .deepspeed_env, memory.json, code/), so it would be ignored. Fix: "
+            f"launch a new run with this option (launch.yml), or resume without it."], (name, errors)
+    p, errors = resume_with_e({"dsc_micro_batch": 8, "preset": "zero1", "dsc_train_config": {"steps": 9}})
+    assert errors == ["preset, dsc_micro_batch, dsc_train_config given with -e on resume: a resume keeps the files "
+                      "and code run 'r1' was launched with (ds_config.json, train.json, .deepspeed_env, memory.json, "
+                      "code/), so they would be ignored. Fix: launch a new run with these options (launch.yml), or "
+                      "resume without them."], errors
+
+
+def test_resume_takes_the_options_it_applies_and_launch_only_ones_from_the_inventory():
+    p, errors = resume_with_e({"run_id": "r1", "dsc_entry_args": ["--epochs", "3"],
+                               "dsc_launcher_args": ["--no_local_rank"], "dsc_resume_args": [],
+                               "max_restarts": 2, "restart_backoff_s": 1, "follow": True, "preflight": False,
+                               "dsc_stall_timeout_s": 60, "dsc_stall_fail": True, "force": True})
+    assert errors == [] and p["run"]["max_restarts"] == 2 and p["run"]["commands"]["node1"][-2:] == ["--epochs", "3"]
+    assert "--no_local_rank" in p["run"]["commands"]["node1"]
+    # set in the inventory (the launches' defaults), not asked of this resume: the run's own are kept
+    hostvars, groups, probes = cluster(2, runs=RESUMABLE)
+    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS,
+                                   {"resume": True, "preset": "zero1", "dsc_micro_batch": 8,
+                                    "dsc_train_config": {"steps": 5}}, full_run=True, extra_vars=set())
+    assert errors == [] and p["run"]["preset"] == "zero3" and p["run"]["batch"]["micro_batch"] == 4
+    # code on a shared filesystem runs from where it is: another directory applies
+    shared = [dict(RESUMABLE[0], launch=dict(RESUMABLE[0]["launch"], dsc_code_shared=True, dsc_code_dir="/shared/a"))]
+    p, errors = resume_with_e({"dsc_code_dir": "/shared/b"}, runs=shared)
+    assert errors == [] and p["run"]["workdir"] == "/shared/b"
 
 
 def test_status_reports_a_bad_run_id_with_the_cluster_problems():
@@ -932,7 +1111,8 @@ def with_end(name, end):
     return f"{value}{end}"
 
 
-EVERY_SETTING = [n for n in OPTIONS if n not in dsc_plan.JSON_ONLY]
+# A secret's value may hold anything (only its name is checked: test_control_characters_in_names_are_refused_too).
+EVERY_SETTING = [n for n in OPTIONS if n not in dsc_plan.JSON_ONLY + dsc_plan.SECRET_SETTINGS]
 
 
 @pytest.mark.parametrize("end", HOSTILE_ENDS, ids=["LF", "CR", "NUL"])

@@ -1,4 +1,6 @@
-"""plugins/module_utils/dsc_plot.py: a real PNG from two runs' histories (matplotlib, no node)."""
+"""plugins/module_utils/dsc_plot.py: a real PNG from runs' histories (matplotlib, no node); a resumed run's
+replayed steps drawn once, in step order."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,3 +22,32 @@ def test_two_runs_make_one_png_with_both(tmp_path):
     assert json.loads(r.stdout) == {"path": str(out), "runs": ["zero2-a", "own-clm"], "points": 48}
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000  # a real picture, not an empty frame
+
+
+def load_plot():
+    spec = importlib.util.spec_from_file_location("dsc_plot", ROOT / "plugins" / "module_utils" / "dsc_plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_resumed_runs_replayed_steps_draw_one_line_in_step_order_with_the_latest_records():
+    """Stopped at step 120, resumed from the checkpoint at 100: the metrics hold 1..120 then
+    101..200. One point per step, in step order; a step logged twice takes its latest value."""
+    first = [{"step": s, "loss": 10.0 - s / 100, "tokens_per_s": 1000} for s in range(1, 121)]
+    resumed = [{"step": s, "loss": 9.0 - s / 100, "tokens_per_s": 2000} for s in range(101, 201)]
+    steps, losses = load_plot().series(first + resumed, "loss")
+    assert steps == list(range(1, 201))
+    assert losses[99] == 10.0 - 100 / 100 and losses[100] == 9.0 - 101 / 100 and losses[119] == 9.0 - 120 / 100
+    # the latest record of a step counts even where it lacks the value (no older value instead)
+    assert load_plot().series([{"step": 1, "loss": 2.0}, {"step": 1, "loss": None}], "loss") == ([], [])
+
+
+def test_a_resumed_run_plots_each_step_once(tmp_path):
+    history = [{"step": s, "loss": 5 - s / 100} for s in range(1, 121)] + \
+              [{"step": s, "loss": 4 - s / 100} for s in range(101, 201)]
+    out = tmp_path / "resumed.png"
+    r = subprocess.run([sys.executable, str(ROOT / "plugins" / "module_utils" / "dsc_plot.py"), str(out)],
+                       input=json.dumps({"resumed": history}), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["points"] == 200

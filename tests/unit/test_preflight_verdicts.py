@@ -1,5 +1,5 @@
 """The control node's verdicts and tables (plugins/filter/): preflight rows from what nodes
-report, runs.yml's table."""
+report, runs.yml's table, follow's lines and how a followed run ended, logs.yml's headers."""
 import importlib.util
 import json
 from pathlib import Path
@@ -10,6 +10,20 @@ ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("preflight_filters", ROOT / "plugins" / "filter" / "preflight.py")
 preflight = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(preflight)
+
+
+def cluster_filters():
+    spec = importlib.util.spec_from_file_location("cluster_filters", ROOT / "plugins" / "filter" / "cluster.py")
+    filters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filters)
+    return filters
+
+
+def progress_callback():
+    spec = importlib.util.spec_from_file_location("dsc_progress", ROOT / "plugins" / "callback" / "dsc_progress.py")
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    return cb
 
 
 def test_iperf_totals_become_gbit_per_s():
@@ -60,23 +74,76 @@ def test_driver_verdicts(cuda, driver, status):
 
 
 def test_runs_table_lines():
-    spec = importlib.util.spec_from_file_location("cluster_filters", ROOT / "plugins" / "filter" / "cluster.py")
-    filters = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(filters)
-    lines = filters.runs_table([{"id": "r1", "preset": "zero2", "state": "finished", "step": 20, "loss": 5.123456,
-                                 "tokens_per_s": 15020.4, "started": 0, "duration_s": 75.5, "restarts": 1}])
-    assert lines[1] == "r1 | zero2 | finished | 20 | 5.123 | 15,020 | 1970-01-01 00:00 | 0:01:15 | 1"
+    filters = cluster_filters()
+    row = {"id": "r1", "config": "preset zero2", "state": "finished", "step": 20, "loss": 5.123456,
+           "tokens_per_s": 15020.4, "samples_per_s": None, "started": 0, "duration_s": 75.5, "restarts": 1}
+    lines = filters.runs_table([row, dict(row, id="r2", tokens_per_s=None, samples_per_s=12.34,
+                                          config="ZeRO stage 3"),
+                                dict(row, id="r3", tokens_per_s=None, step=None, loss=None,
+                                     config="its own ZeRO stage")])
+    assert lines[0] == "run | config | state | step | loss | throughput | started (UTC) | duration | restarts"
+    assert lines[1] == "r1 | preset zero2 | finished | 20 | 5.123 | 15,020 tokens/s | 1970-01-01 00:00 | 0:01:15 | 1"
+    assert lines[2] == "r2 | ZeRO stage 3 | finished | 20 | 5.123 | 12.3 samples/s | 1970-01-01 00:00 | 0:01:15 | 1"
+    assert lines[3] == "r3 | its own ZeRO stage | finished | - | - | - | 1970-01-01 00:00 | 0:01:15 | 1"
 
 
 def test_follow_prints_a_progress_line_not_a_retry_message():
-    spec = importlib.util.spec_from_file_location("dsc_progress", ROOT / "plugins" / "callback" / "dsc_progress.py")
-    cb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cb)
-    status = {"run_id": "r1", "state": "running", "started": 1000.0, "total_steps": 400, "ranks_alive": 2,
-              "restarts": 0, "last": {"step": 100, "loss": 5.2345, "tokens_per_s": 15020.4}}
+    """The ETA at the last logged pace (0.5 s a step, 300 steps to go), whenever the run started
+    (a resumed run's start is its first launch); every node's ranks alive."""
+    cb = progress_callback()
+    nodes = {"node1": {"state": "running", "ranks_alive": 1}, "node2": {"state": "running", "ranks_alive": 2},
+             "node3": {"state": "running", "ranks_alive": 1}}
+    status = {"run_id": "r1", "host": "node1", "state": "running", "started": 1000.0, "total_steps": 400,
+              "ranks_alive": 1, "restarts": 0, "nodes": nodes,
+              "last": {"step": 100, "loss": 5.2345, "tokens_per_s": 15020.4, "step_time_s": 0.5}}
     assert cb.progress_line(json.dumps(status), now=1100.0) == (
-        "run r1: running, step 100/400, loss 5.234, 15,020 tokens/s, elapsed 0:01:40, ETA 0:05:00, ranks alive 2")
+        "run r1: running, step 100/400, loss 5.234, 15,020 tokens/s, elapsed 0:01:40, ETA 0:02:30, "
+        "ranks alive 4, nodes node1:running node2:running node3:running")
     assert cb.progress_line("not a status") is None and cb.progress_line('{"changed": false}') is None
+
+
+def test_follow_shows_no_total_and_no_eta_where_the_run_has_no_known_total():
+    """A user's script whose total the node helper does not know (its status says none): the
+    step alone. Without the other nodes' states (no_ssh mode) the count is named as the master's."""
+    cb = progress_callback()
+    status = {"run_id": "own", "host": "node1", "state": "running", "started": 1000.0, "total_steps": None,
+              "ranks_alive": 1, "restarts": 0, "last": {"step": 600, "loss": 2.0, "samples_per_s": 12.5,
+                                                        "step_time_s": 0.2}}
+    assert cb.progress_line(json.dumps(status), now=1100.0) == (
+        "run own: running, step 600, loss 2, 12.5 samples/s, elapsed 0:01:40, ranks alive 1 on node1")
+
+
+def test_a_run_stopped_on_purpose_ends_follow_saying_who_and_where_a_failed_one_with_its_error():
+    run_end = cluster_filters().run_end
+    stopped = {"run_id": "r1", "state": "stopped", "stopped_by": "stop.yml", "exit_code": "-9",
+               "first_error": None, "last": {"step": 120}}
+    assert run_end(stopped) == "Run r1 stopped by stop.yml at step 120."
+    assert run_end(dict(stopped, last=None)) == "Run r1 stopped by stop.yml before its first step."
+    assert run_end(dict(stopped, stopped_by=None)) == "Run r1 stopped at step 120."
+    assert run_end({"run_id": "r1", "state": "finished", "last": {"step": 800}}) == "Run r1 finished at step 800."
+    failed = {"run_id": "r1", "state": "failed", "exit_code": "1", "last": {"step": 3},
+              "first_error": "node2: ValueError: bad shape", "traceback": ["node2: Traceback (most recent call last):",
+                                                                          "node2: ValueError: bad shape"]}
+    assert run_end(failed) == ("Run r1 failed: node2: ValueError: bad shape\n"
+                               "node2: Traceback (most recent call last):\nnode2: ValueError: bad shape")
+    assert run_end(dict(failed, first_error=None, traceback=[])) == \
+        "Run r1 failed: no error line in its log (exit code 1)"
+    assert run_end({"run_id": "r1", "state": "lost", "exit_code": None}).startswith(
+        "Run r1 lost: its supervisor ended without an exit code")
+
+
+def test_log_headers_name_the_node_and_the_log_its_lines_come_from():
+    log_sections = cluster_filters().log_sections
+    log = "/opt/dscluster/runs/r1/launcher.log"
+    # pdsh mode: every node's lines in the master's log, the runner's own under "launcher"
+    pdsh = {"launcher": ["cmd = pdsh ..."], "node1": ["step 1"], "node2": ["step 1", "step 2"]}
+    assert log_sections(pdsh, log, "node1") == [
+        f"== launcher on node1 (last 1 lines) in node1:{log}", "cmd = pdsh ...",
+        f"== node1 (last 1 lines) in node1:{log}", "step 1",
+        f"== node2 (last 2 lines) in node1:{log}", "step 1", "step 2"]
+    # no_ssh mode: each node's own log
+    assert log_sections({"node1": ["a"], "node2": ["b"]}, log) == [
+        f"== node1 (last 1 lines) in node1:{log}", "a", f"== node2 (last 1 lines) in node2:{log}", "b"]
 
 
 def test_a_stale_op_build_lock_fails_preflight_and_names_the_fix():
