@@ -108,7 +108,7 @@ def pool(paths):
     for path in paths:
         for preset, rows in json.loads(Path(path).read_text()).items():
             into = pooled.setdefault(preset, {"launch": [], "hand": [], "pairs": []})
-            for launch, hand in zip(rows["launch"], rows["hand"]):
+            for launch, hand in zip(rows["launch"], rows["hand"], strict=True):
                 into["launch"].append(launch["samples_per_s"])
                 into["hand"].append(hand["samples_per_s"])
                 into["pairs"].append(round(launch["samples_per_s"] / hand["samples_per_s"], 3))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "module_utils")]
 
 from train.config import SIZES  # noqa: E402  (pure Python)
 from train import memory  # noqa: E402  (pure Python)
+import dsc_plan  # noqa: E402  (pure Python)
 
 GiB = 2 ** 30
 DEFAULT_CONFIGS = ("zero2-offload:8,zero3-offload:8,zero2:8,zero3:8,zero1:8,zero2:4,zero3:4,zero1:4,"
@@ -68,12 +70,12 @@ def child(name, port, out_file, run_root, steps):
     os.environ.update(ENV)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    import torch
-    import deepspeed
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    # After the rank's environment above: torch and DeepSpeed read it (train.run imports torch).
+    import torch  # noqa: PLC0415
+    import deepspeed  # noqa: PLC0415
+    from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
 
-    import dsc_plan
-    import train.run
+    import train.run  # noqa: PLC0415
 
     run_dir = Path(run_root) / name.replace(":", "_")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +184,7 @@ def measure(args):
     except OSError as e:
         smi = f"nvidia-smi: {e}"
     env_info = {"nvidia_smi": smi}
-    import torch
+    import torch  # noqa: PLC0415 - measuring only: --report runs without torch
     cuda = torch.cuda.is_available()
     configs = [parse_config(t) for t in args.configs.split(",")]
     env_info["build"] = build_ops(logs, configs) if cuda else "skipped (no CUDA)"
@@ -271,7 +273,6 @@ def earlier_rows(results_dir):
     """Peaks of earlier launch.yml runs (bench/results/gpu/*/summary-*.json: 15 or 6 steps, fresh
     processes, peak_mem_allocated_gib rounded to 0.01 GiB); the file name gives the preset and
     micro-batch (default 8), the summary the world size."""
-    import re
     out = []
     for f in sorted(Path(results_dir).glob("*/summary-*.json")):
         d = json.loads(f.read_text())

@@ -89,9 +89,9 @@ def main():
     for k, v in ratios.items():
         print(f"- {k}: {v:.3f}")
     if a.png:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - only where a picture is drawn
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - after use("Agg")
         shown = [r for r in rows if r["session"] == "A"] + [r for r in rows if r["session"] == "B"]
         fig, ax = plt.subplots(figsize=(10, 4.8))
         labels = [f"{r['session']}: {r['run'].replace('launch.yml -e preset=', 'launch.yml ')}" for r in shown]

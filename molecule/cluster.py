@@ -390,7 +390,7 @@ class Cluster:
         return json.loads(self.exec(self.master, f"{HELPER} status {root}/{run_id} {run_id}", user="dstrain").stdout)
 
     def host(self, node):
-        import testinfra
+        import testinfra  # noqa: PLC0415 - the tests' alone: bench/ imports this module, never asks for a host
         return testinfra.get_host(f"ansible://{node}?ansible_inventory={self.inventory}")
 
 

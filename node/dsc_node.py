@@ -41,13 +41,18 @@ module pushes it). Every command prints one JSON object.
                                               # DeepSpeed's engine watched for progress, then the
                                               # user's script or module in this process
 """
+import atexit
 import base64
 import fcntl
+import glob
 import hashlib
+import importlib.util
 import io
 import json
 import os
+import pwd
 import re
+import runpy
 import shutil
 import signal
 import socket
@@ -55,6 +60,7 @@ import stat as stat_mod
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -250,7 +256,6 @@ class EngineWatch:
         engine_class.__init__ = reporting_init
         engine_class.backward, engine_class.step = watched_backward, watched_step
         engine_class.save_checkpoint = node_local_save
-        import atexit
         atexit.register(lambda: self.step != self.written_step and self.write())
 
     def record_engine(self, engine):
@@ -359,7 +364,6 @@ class AfterImport:
         fn = self.patches.pop(name, None)
         if fn is None:
             return None
-        import importlib.util
         spec = importlib.util.find_spec(name)  # the other finders' (this one no longer has it)
         if spec is None or spec.loader is None:
             return spec
@@ -407,7 +411,7 @@ def entry(args, local_rank=()):
         except (OSError, ValueError) as e:
             raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
                              f"be read: {e}. Fix: resume with dsc_secrets given again (resume.yml "
-                             f"writes them anew on every node).")
+                             f"writes them anew on every node).") from None
     patches = {"accelerate.state": accelerate_on_cpu}
     if run_dir:
         watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED)
@@ -415,7 +419,6 @@ def entry(args, local_rank=()):
         patches["transformers.trainer_callback"] = watch.watch_trainer
         (RunDir(run_dir) / RunDir.RANKS_STARTED).touch()
     sys.meta_path.insert(0, AfterImport(patches))
-    import runpy
     sys.argv = [target] + list(local_rank) + rest
     try:
         if kind == "--module":
@@ -435,8 +438,6 @@ def leave_finished():
     non-daemon threads, run the atexit handlers, flush), then exit 0 without the finalization.
     gloo's worker threads can abort it after a finished run ("terminate called without an active
     exception", pytorch/pytorch#179291): the launcher would then fail a run that is done."""
-    import atexit
-    import threading
     threading._shutdown()  # what Py_Finalize calls first; joins the non-daemon threads
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -451,7 +452,6 @@ def become(user):
     """A preexec function that drops root to `user` (None when no change is needed)."""
     if not user or os.geteuid() != 0:
         return None
-    import pwd
     pw = pwd.getpwnam(user)
 
     def drop():
@@ -465,7 +465,6 @@ def run(cmd, timeout=60, env=None, user=None):
     """cmd's (exit code, stdout, stderr); as `user` when given and this helper is root."""
     drop = become(user)
     if drop:
-        import pwd
         home = pwd.getpwnam(user).pw_dir
         env = dict(env or os.environ, HOME=home, USER=user, LOGNAME=user)
     try:
@@ -628,7 +627,6 @@ def path_chain(path):
     """lstat of a path and of every directory above it, "/" first (a link is reported with its
     target, never followed): [{path, kind, uid, user, mode, target}]; a missing one has kind
     "missing", and the chain stops there."""
-    import pwd
     parts = [p for p in path.split("/") if p]
     out = []
     for i in range(len(parts) + 1):
@@ -658,7 +656,6 @@ def path_chain(path):
 
 def root_path_report(install_root, run_root, data_dir, train_user):
     """root_paths with each one's chain (path_chain), for the plan to refuse before any change."""
-    import pwd
     try:
         home = pwd.getpwnam(train_user).pw_dir if train_user else ""
     except KeyError:
@@ -691,8 +688,6 @@ def path_owners(path):
     (what it imports). Each read with lstat (a link is reported, never followed by the read
     itself); the resolved path is read component by component as os.path.realpath gives it.
     {"path", "entries": [{path, uid, user, mode, kind}]} or {"path", "error"}."""
-    import glob
-    import pwd
     if not os.path.isabs(path) or "\0" in path:
         return {"path": path, "error": "not an absolute path"}
     real = os.path.realpath(path)
@@ -1041,7 +1036,7 @@ def listen(a):
     while len(seen) < a["expect"] and time.time() < deadline:
         try:
             conn, peer = s.accept()
-        except socket.timeout:
+        except TimeoutError:
             continue
         seen.append(peer[0])
         conn.settimeout(2.0)
@@ -1060,7 +1055,7 @@ def connect(a):
         try:
             with socket.create_connection((a["host"], a["port"]), timeout=max(0.5, deadline - time.time())):
                 return {"ok": True, "msg": "connected"}
-        except socket.timeout:
+        except TimeoutError:
             last = f"timed out after {a.get('timeout', 5)} s (a firewall dropping packets?)"
         except OSError as e:
             last = e.strerror or str(e)
@@ -1653,7 +1648,6 @@ def newest(pattern, cwd="."):
     def key(p):
         nums = re.findall(r"\d+", os.path.basename(p.rstrip("/")))
         return (int(nums[-1]) if nums else -1, os.path.getmtime(os.path.join(cwd, p)))
-    import glob
     found = [p for p in glob.glob(pattern, root_dir=cwd) if SAFE_ARG.fullmatch(p)]
     return max(found, key=key) if found else None
 

@@ -40,9 +40,10 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float
 
 def main(argv=None):
     args = parse_args(argv)
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
+    # DeepSpeed after the arguments: --help and a wrong one answer without its start-up.
+    import deepspeed  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
     deepspeed.init_distributed()
     acc = get_accelerator()

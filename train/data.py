@@ -65,7 +65,7 @@ class Batches:
 
     def micro_batch(self, step: int, k: int, device):
         base = ((step * self.ga + k) * self.world + self.rank) * self.mb
-        xs, ys = zip(*(self.sample(base + j) for j in range(self.mb)))
+        xs, ys = zip(*(self.sample(base + j) for j in range(self.mb)), strict=True)
         return torch.stack(xs).to(device), torch.stack(ys).to(device)
 
 

@@ -46,6 +46,8 @@ than DeepSpeed's estimate.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import re
 
 GiB = 2 ** 30
@@ -434,10 +436,7 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
 
 def main(argv=None):
     """python -m train.memory --size 1.3b --seq-len 2048 --preset zero2 --micro-batch 8"""
-    import argparse
-    import json
-
-    from train.config import SIZES
+    from train.config import SIZES  # noqa: PLC0415 - dsc_memory loads this file by path, train/ not on sys.path
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--size", default="1.3b", choices=sorted(SIZES))
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -72,24 +72,24 @@ def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes:
     predicted = {}
     if cfg is not None and ds_cfg is not None and micro_batch:
         try:
-            from train.memory import predict, shape_from_config
+            from train.memory import predict, shape_from_config  # noqa: PLC0415 - in the try: never fail a run
             shape = dict(shape_from_config(cfg), params=n)
             r = predict(shape, ds_cfg, micro_batch, gpus_per_node * nodes, gpus_per_node,
                         precision=precision if precision in ("bf16", "fp16") else "fp32",
                         activation_checkpointing=cfg.activation_checkpointing)
             predicted = {"predicted": {"method": "train/memory.py", "gpu_bytes": r["total"], "phase": r["phase"],
                                        "parts": r["parts"]}}
-        except Exception as e:  # never fail a run over a prediction
+        except Exception as e:  # noqa: BLE001 - never fail a run over a prediction
             predicted = {"predicted": {"method": f"unavailable: {e}"}}
     try:
         if stage == 3:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: PLC0415 - in the try
             cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
                 n, largest_layer_params(model), gpus_per_node, nodes, cpu_offload=offload,
                 cpu_offload_params=offload, zero_init=True)
             how = "estimate_zero3_model_states_mem_needs"
         elif stage == 2:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: PLC0415 - in the try
             cpu, gpu = estimate_zero2_model_states_mem_needs(n, gpus_per_node, nodes, cpu_offload=offload)
             how = "estimate_zero2_model_states_mem_needs"
         else:
@@ -97,7 +97,7 @@ def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes:
             world = gpus_per_node * nodes
             gpu = 16 * n if stage == 0 else 4 * n + 12 * n / world
             cpu, how = 0, "zero-paper formula (16 bytes/param)"
-    except Exception as e:  # an estimator's signature changed: report, don't fail the run
+    except Exception as e:  # noqa: BLE001 - an estimator's signature changed: report, don't fail the run
         return {"method": f"unavailable: {e}", "params": n, **predicted}
     return {"method": how, "params": n, "gpu_bytes": int(gpu), "cpu_bytes": int(cpu), **predicted}
 
@@ -140,8 +140,9 @@ def main(argv=None) -> int:
         print(f"config error: cannot read the DeepSpeed config {ds_path}: {e}", file=sys.stderr)
         return 2
 
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    # DeepSpeed after the configs are read: their errors answer without its start-up.
+    import deepspeed  # noqa: PLC0415
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
     t_start = time.time()
     timeout = datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", cfg.timeout_min)))

@@ -83,7 +83,7 @@ def test_a_dry_run_writes_a_config_deepspeed_accepts_and_the_hostfile(provisione
     assert cfg["zero_optimization"]["stage"] == int(preset[4])
     assert ("offload_optimizer" in cfg["zero_optimization"]) == preset.endswith("offload")
     hostfile = cluster.exec(cluster.master, f"cat /opt/dscluster/runs/dry-{preset}/hostfile").stdout
-    assert [l for l in hostfile.splitlines() if not l.startswith("#")] == ["node1 slots=1", "node2 slots=1"]
+    assert [line for line in hostfile.splitlines() if not line.startswith("#")] == ["node1 slots=1", "node2 slots=1"]
 
 
 def test_stop_ends_every_rank_and_resume_continues(provisioned, cluster):

@@ -3,6 +3,7 @@ three public scripts this project did not write (tests/fixtures/scripts/SOURCES.
 zero2 and zero3 across both nodes to completion, one stopped and resumed, one restarted by
 max_restarts; their requirements on every node; a dataset synced; secrets that reach the ranks
 and nothing else; and the bad inputs refused before any node changes."""
+import hashlib
 import json
 import os
 import shutil
@@ -244,7 +245,6 @@ time.sleep(float(os.environ.get("HOLD_S", "20")))
 
 
 def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
-    import hashlib
     code = tmp_path / "code"
     code.mkdir()
     (code / "show_secret.py").write_text(SECRET_SCRIPT)
@@ -256,7 +256,7 @@ def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
     try:
         want = hashlib.sha256(SECRET.encode()).hexdigest()
         for rank, node in enumerate(cluster.names):
-            got = wait(lambda: cluster.exec(node, f"cat {RUNS}/{run_id}/token-{rank}.sha256", check=False).stdout.strip(),
+            got = wait(lambda: cluster.exec(node, f"cat {RUNS}/{run_id}/token-{rank}.sha256", check=False).stdout.strip(),  # noqa: B023 - called in this iteration
                        120, f"rank {rank}'s token hash on {node}")
             assert got == want
         for node in cluster.names:  # while the ranks live: no command line holds it

@@ -260,7 +260,7 @@ def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
         results = [None, None]
 
         def go(k):
-            results[k] = cluster.playbook("launch.yml", "-e", f"run_id={ids[k]}", *train)
+            results[k] = cluster.playbook("launch.yml", "-e", f"run_id={ids[k]}", *train)  # noqa: B023 - joined in this iteration
         threads = [threading.Thread(target=go, args=(k,)) for k in (0, 1)]
         try:
             for t in threads:
@@ -277,7 +277,7 @@ def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
             supervisors = cluster.exec(cluster.master, "pgrep -u dstrain -fc '[d]sc_node.py start' || true").stdout.strip()
             assert supervisors == "1", f"{supervisors} supervisors for {ids}"
             for n in cluster.names:
-                wait(lambda: len(cluster.rank_pids(n, winner)) == 1, 120, f"one rank of {winner} on {n}")
+                wait(lambda: len(cluster.rank_pids(n, winner)) == 1, 120, f"one rank of {winner} on {n}")  # noqa: B023 - called in this iteration
         finally:
             for run_id in set(ids):
                 cluster.playbook("stop.yml", "-e", f"run_id={run_id}")

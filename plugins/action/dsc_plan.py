@@ -17,7 +17,7 @@ from ansible.plugins.action import ActionBase
 from ansible.utils.vars import load_extra_vars
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
-import dsc_plan  # noqa: E402  (plugins/module_utils/dsc_plan.py, pure Python)
+import dsc_plan  # plugins/module_utils/dsc_plan.py, pure Python
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 SPEC = os.path.join(REPO, "roles", "plan", "meta", "argument_specs.yml")
@@ -98,7 +98,7 @@ class ActionModule(ActionBase):
         # by preflight itself), false (status, stop, logs: only which run).
         run_kind = self._templar.template(args.get("run", False))
         run_kind = run_kind if run_kind == "probe" else dsc_plan.as_bool(run_kind)
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
         plan, errors = dsc_plan.make_plan(
             inventory, {k: list(v) for k, v in groups.items()}, probes, defaults,
             {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,

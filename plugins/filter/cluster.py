@@ -33,7 +33,7 @@ def version_diff(hostvars, names):
     """Messages for each version that is not the same on every node, naming the nodes."""
     diffs = []
     for key in ("python", "torch", "cuda", "deepspeed", "nccl", "prefix"):
-        values = _group_by(names, lambda name: (hostvars[name].get("dsc_versions") or {}).get(key))
+        values = _group_by(names, lambda name: (hostvars[name].get("dsc_versions") or {}).get(key))  # noqa: B023 - called in this iteration
         if len(values) > 1:
             diffs.append(f"{key}: " + ", ".join(f"{v} on {'/'.join(h)}" for v, h in values.items()))
     return diffs
@@ -103,7 +103,7 @@ def runs_table(rows):
         return cell(r.get("samples_per_s"), "{:,.1f} samples/s")
     lines = ["run | config | state | step | loss | throughput | started (UTC) | duration | restarts"]
     for r in rows or []:
-        started = datetime.datetime.fromtimestamp(r["started"], datetime.timezone.utc)
+        started = datetime.datetime.fromtimestamp(r["started"], datetime.UTC)
         lines.append(" | ".join([r["id"], cell(r.get("config")), r["state"], cell(r.get("step")),
                                  cell(r.get("loss"), "{:.4g}"), throughput(r),
                                  started.strftime("%Y-%m-%d %H:%M"),

@@ -29,7 +29,7 @@ except ImportError:  # pure-Python unit tests
     AnsibleFilterError = ValueError
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
-from dsc_plan import ip_network  # noqa: E402  (plugins/module_utils/dsc_plan.py, pure Python)
+from dsc_plan import ip_network  # plugins/module_utils/dsc_plan.py, pure Python
 
 COMMENT_PREFIX = "dscluster"
 ANY = {"v4": "0.0.0.0/0", "v6": "::/0"}

@@ -356,7 +356,7 @@ def control_characters(hostvars, names, options, problems):
         found = [p for var in wanted if var in hv for p in _control_paths(hv[var], var)]
         secrets = hv.get("dsc_secrets") if i == 0 else None
         if isinstance(secrets, dict):
-            found += [(f"dsc_secrets (a name)", CONTROL.search(k).group()) for k in secrets
+            found += [("dsc_secrets (a name)", CONTROL.search(k).group()) for k in secrets
                       if isinstance(k, str) and CONTROL.search(k)]
         for path, char in found:
             problems.add(f"{path} on host {node} holds a control character ({char!r}). {fix}")
@@ -366,7 +366,7 @@ def control_characters(hostvars, names, options, problems):
                 problems.add(f"{path} holds a control character ({char!r}). {fix}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def declared_settings(repo):
     """Every option a role's meta/argument_specs.yml declares (each entry point's): the settings."""
     import yaml  # the control node has it (Ansible needs it)
@@ -1508,8 +1508,8 @@ def _model_shape(opt, entry, problems, s=None):
         # train/model.py: scaled_dot_product_attention, no dropout, logits cast to fp32
         return {"shape": shape, "checkpointing": ckpt, "attention": "sdpa", "dropout": False,
                 "attention_dropout": False, "logits_fp32": True, "assumed": [], "source": "dsc_train_config"}
-    fix = (f"-e '{{\"dsc_model_shape\": {{\"layers\": 24, \"hidden\": 2048, \"heads\": 16, "
-           f"\"vocab\": 50304, \"seq_len\": 2048, \"attention\": \"sdpa\", \"dropout\": 0}}}}' (yours)")
+    fix = ("-e '{\"dsc_model_shape\": {\"layers\": 24, \"hidden\": 2048, \"heads\": 16, "
+           "\"vocab\": 50304, \"seq_len\": 2048, \"attention\": \"sdpa\", \"dropout\": 0}}' (yours)")
     if not isinstance(given, dict):
         problems.add(f"dsc_model_shape is {given!r}. Fix: a mapping, e.g. {fix}.")
         return None

@@ -26,9 +26,9 @@ def rate_key(rows):
 
 
 def plot(histories, out_path):
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - only where a picture is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after use("Agg")
     fig, (loss_ax, rate_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     points, rates = 0, set()
     for run_id, rows in histories.items():

@@ -38,7 +38,7 @@ def test_every_preset_renders_a_config_deepspeed_accepts():
              for accel, caps in (("cpu", []), ("cuda", ["9.0"]), ("cuda", ["7.0"]))]
     assert {c[0] for c in cases} >= {"zero0", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"}
     configs = [dsc_plan.ds_config(TEMPLATES, *case, sizes, {}) for case in cases]
-    for (preset, accel, caps), cfg in zip(cases, configs):
+    for (preset, _accel, caps), cfg in zip(cases, configs, strict=True):
         assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
         assert cfg["zero_optimization"]["stage"] == int(preset[4]), preset
         assert ("offload_optimizer" in cfg["zero_optimization"]) == preset.endswith("offload"), preset
@@ -47,4 +47,4 @@ def test_every_preset_renders_a_config_deepspeed_accepts():
                        capture_output=True, timeout=300, env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert r.returncode == 0, r.stderr[-3000:]
     verdicts = r.stdout.splitlines()[-len(cases):]
-    assert verdicts == ["ok"] * len(cases), list(zip(cases, verdicts))
+    assert verdicts == ["ok"] * len(cases), list(zip(cases, verdicts, strict=False))  # fewer verdicts where the check failed

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -15,7 +17,6 @@ def test_configuration_page_matches_the_argument_specs():
 
 
 def test_every_option_of_every_entry_point_is_on_the_page():
-    import yaml
     page = (ROOT / "docs" / "configuration.md").read_text()
     for spec_file in ROOT.glob("roles/*/meta/argument_specs.yml"):
         for entry, spec in yaml.safe_load(spec_file.read_text())["argument_specs"].items():

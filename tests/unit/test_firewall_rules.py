@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import dsc_plan
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("firewall_filters", ROOT / "plugins" / "filter" / "firewall.py")
 fw = importlib.util.module_from_spec(spec)
@@ -39,7 +41,6 @@ def files(rules):
     ("10.0.0.1\r", None, None), ("10.0.0.1\0", None, None), ("any\n", None, None),
 ])
 def test_the_plan_accepts_exactly_the_ssh_sources_the_rules_are_made_from(source, family, ufw):
-    import dsc_plan
     assert dsc_plan._ssh_source(source) is (family is not None)
     if family is None:
         with pytest.raises(fw.AnsibleFilterError, match="not an IP address or CIDR"):
@@ -196,7 +197,7 @@ def test_the_site_keeps_its_order_and_v6_inserts_count_after_the_v4_rules():
 def test_stale_rules_of_the_toolkit_go_and_the_sites_stay():
     old = want(addrs=ADDRS + ["10.89.77.13"], port_first=29400, port_last=29410, control_addr="10.89.77.9")
     rules = want()
-    site = "### tuple ### allow tcp 443 0.0.0.0/0 any 0.0.0.0/0 in comment=" + "site https".encode().hex()
+    site = "### tuple ### allow tcp 443 0.0.0.0/0 any 0.0.0.0/0 in comment=" + b"site https".hex()
     ch = fw.changes(rules, files(old)("v4", tail=[site]), files(old)("v6"))
     gone = {d["text"].split("] ", 1)[1] for d in ch["delete"] if d["why"] == "stale"}
     assert "allow tcp 22 0.0.0.0/0 any 10.89.77.9 in (v4) # dscluster ssh" in gone
@@ -234,7 +235,7 @@ def test_the_old_toolkit_appended_after_the_site_is_moved_ahead():
 
 def test_a_comment_differing_from_the_toolkits_is_rewritten():
     rules = want()
-    site = ["### tuple ### allow any any 0.0.0.0/0 any 10.89.77.11 in comment=" + "site".encode().hex()]
+    site = ["### tuple ### allow any any 0.0.0.0/0 any 10.89.77.11 in comment=" + b"site".hex()]
     ch = fw.changes(rules, "\n".join(site), "")
     assert ch["replaced"] == ["[1] allow any any 0.0.0.0/0 any 10.89.77.11 in (v4) # site"]
 

@@ -1,6 +1,10 @@
 """The control venv's lock (requirements/control.lock, written by scripts/lock.sh) holds every pin
 of requirements/control.txt at the same version, each with a sha256."""
+import hashlib
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -25,10 +29,6 @@ def test_the_lock_pins_what_control_txt_asks_for_with_hashes():
 def test_hashlock_writes_the_index_hash_and_marks_source_archives(tmp_path):
     """scripts/hashlock.py (wheelhouse.sh, nodelock.sh, lock.sh): the index's sha256, else a local
     file's own; a source archive ends with '  # sdist' (built on the node without isolation)."""
-    import hashlib
-    import json
-    import subprocess
-    import sys
     wheel = tmp_path / "tqdm-4.67.1-py3-none-any.whl"
     wheel.write_bytes(b"a local wheel")
     report = {"install": [

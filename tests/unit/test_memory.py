@@ -9,6 +9,7 @@ import pytest
 
 import dsc_memory as M
 from train import memory as train_memory
+from train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2 ** 30
@@ -123,7 +124,6 @@ def test_shape_counts_train_models_parameters():
 
 
 def test_shape_from_train_config():
-    from train.config import load_config
     s = M.shape_from_config(load_config(None, ["size=1.3b", "seq_len=2048"]))
     assert s == gpt13()
 
@@ -291,19 +291,18 @@ def test_accumulation_is_read_from_a_ds_config_and_absent_without_it():
 def test_a_gated_mlp_and_attention_dropout_apart_from_the_residual_one():
     """A MLP of width I saves 2*I/h elements per token (a gated one 4*I/h); the default 4h MLP is
     the measured 16; the eager probabilities' dropout (mask and copy) follows attention_dropout."""
-    import dsc_memory
-    base = dsc_memory.model_shape(4, 256, 4, 1000, 128)
-    gated = dsc_memory.model_shape(4, 256, 4, 1000, 128, intermediate=512, gated=True)
+    base = M.model_shape(4, 256, 4, 1000, 128)
+    gated = M.model_shape(4, 256, 4, 1000, 128, intermediate=512, gated=True)
     sbh = 128 * 2 * 256
-    a = dsc_memory.activation_bytes(base, 2)["per_layer"]
-    g = dsc_memory.activation_bytes(gated, 2)["per_layer"]
+    a = M.activation_bytes(base, 2)["per_layer"]
+    g = M.activation_bytes(gated, 2)["per_layer"]
     assert a - g == (16 - (8 + 4 * 512 // 256)) * 2 * sbh == 0  # 4*512/256 = 8: the same count
-    wide = dsc_memory.model_shape(4, 256, 4, 1000, 128, intermediate=1024, gated=True)
-    assert dsc_memory.activation_bytes(wide, 2)["per_layer"] - a == 8 * 2 * sbh
+    wide = M.model_shape(4, 256, 4, 1000, 128, intermediate=1024, gated=True)
+    assert M.activation_bytes(wide, 2)["per_layer"] - a == 8 * 2 * sbh
     probs = 4 * 128 * 128 * 2
-    eager = dsc_memory.activation_bytes(base, 2, attention="eager", dropout=True)["per_layer"]
-    no_attn = dsc_memory.activation_bytes(base, 2, attention="eager", dropout=True,
-                                          attention_dropout=False)["per_layer"]
+    eager = M.activation_bytes(base, 2, attention="eager", dropout=True)["per_layer"]
+    no_attn = M.activation_bytes(base, 2, attention="eager", dropout=True,
+                                 attention_dropout=False)["per_layer"]
     assert eager - no_attn == probs * 3  # the mask (1 B) and the dropped-out copy (2 B)
 
 

@@ -4,18 +4,23 @@ run, free ports, status states and failure parsing. Real processes, no container
     .venv/bin/pytest tests/unit/test_node_helper.py -q
 """
 import base64
+import importlib.util
 import io
 import json
 import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+import dsc_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = ROOT / "node" / "dsc_node.py"
@@ -460,7 +465,7 @@ def test_after_import_patches_a_module_once_on_its_first_import(tmp_path):
     sys.meta_path.insert(0, finder)
     try:
         from pkg_after.engine import Engine  # noqa: PLC0415 - the import is what is tested
-        import pkg_after.engine  # noqa: F401 - a second import: no second patch
+        import pkg_after.engine  # noqa: F401, PLC0415 - a second import: no second patch
         assert Engine().step() == "patched" and seen == ["pkg_after.engine"]
     finally:
         sys.meta_path.remove(finder)
@@ -505,7 +510,6 @@ def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_dir
 def test_jit_locks_are_read_as_the_training_user_without_running_an_interpreter(tmp_path):
     """As root the check drops to the training user in a forked child: root's own interpreter
     (here this test's, which 'nobody' may not be able to run) is never executed as that user."""
-    import tempfile
     ext = Path(tempfile.mkdtemp(prefix="dsc-ext-"))
     try:
         ext.chmod(0o755)
@@ -590,7 +594,6 @@ def test_a_secrets_file_is_kept_beside_its_run_goes_with_it_and_is_never_a_run(t
     listed = dsc_node.runs(root)
     assert sorted(r["id"] for r in listed) == ["r1", "r2"] and all(r["secrets"] for r in listed)
     assert [r["id"] for r in dsc_node.runs_table(root)] != [] and ".secrets" not in [r["id"] for r in dsc_node.runs_table(root)]
-    import shutil
     shutil.rmtree(root / "r1")
     (root / "r3").mkdir()
     helper("write-secrets", root / "r3", stdin=json.dumps({"WANDB_API_KEY": "k-r3"}))
@@ -608,7 +611,6 @@ def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_
     written and as resolved (a venv's bin/python links to its base), and its lib directories,
     read with lstat; the plan runs it as root only when all are root's and none is writable by
     group or others, else as its one owner, else refuses."""
-    import dsc_plan
     env = tmp_path / "opt" / "env"
     (env / "bin").mkdir(parents=True)
     (env / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
@@ -629,7 +631,6 @@ def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_
     assert owner is None and f"{env}/lib/python3.11/site-packages is writable by group (mode 775" in problem
     (env / "lib" / "python3.11" / "site-packages").chmod(0o755)
     if os.geteuid() == 0:  # a user's env: run as that user only
-        import pwd
         nobody = pwd.getpwnam("nobody")
         for d in (env, env / "bin"):
             os.chown(d, nobody.pw_uid, nobody.pw_gid)
@@ -743,7 +744,6 @@ def test_no_step_down_for_another_error_a_run_past_its_first_steps_or_a_spent_la
 
 
 def test_status_rows_show_the_peak_against_the_prediction_and_each_step_down():
-    import importlib.util
     spec = importlib.util.spec_from_file_location("dsc_filters", ROOT / "plugins" / "filter" / "cluster.py")
     filters = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(filters)

@@ -6,6 +6,7 @@ the rendered files and the launcher command, with no node and no Ansible run.
 import base64
 import dataclasses
 import io
+import itertools
 import json
 import re
 import tarfile
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import dsc_memory
 import dsc_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,7 +183,7 @@ def test_the_shipped_inventories_set_only_declared_settings(inventory):
 def test_a_setting_outside_its_choices_is_refused_by_the_argument_spec(name, value):
     """The plan role's argument validation (Ansible's own validator over the spec, before the
     plan runs) refuses it, naming the setting, the choices and the value."""
-    from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+    from ansible.module_utils.common.arg_spec import ArgumentSpecValidator  # noqa: PLC0415 - see ansible_templates
     errors = ArgumentSpecValidator(OPTIONS).validate({name: value}).error_messages
     assert errors == [f"value of {name} must be one of: {', '.join(OPTIONS[name]['choices'])}, got: {value}"]
 
@@ -720,7 +722,7 @@ def test_none_mode_passes_no_config_and_resume_args_are_a_setting():
 
 def gpu_cluster(gpus_per_node, selections):
     hostvars, groups, probes = cluster(len(selections), slots="auto")
-    for i, (h, chosen) in enumerate(zip(groups["cluster"], selections)):
+    for i, (h, chosen) in enumerate(zip(groups["cluster"], selections, strict=True)):
         probes[h] = probe(f"10.0.0.{11 + i}", gpus=gpus_per_node)
         if chosen is not None:
             hostvars[h]["dsc_gpus"] = chosen
@@ -976,10 +978,12 @@ HEADERS = [
 
 def ansible_templates():
     """ansible-core's own decisions: its quick check (Templar.is_possibly_template) and its
-    engine's (Templar.is_template, on the string trusted as a template, as -e values are)."""
-    from ansible._internal._datatag._tags import TrustedAsTemplate
-    from ansible.parsing.dataloader import DataLoader
-    from ansible.template import Templar
+    engine's (Templar.is_template, on the string trusted as a template, as -e values are).
+    Ansible is imported by the tests that compare with it (_datatag is private: if it moves, only
+    they fail)."""
+    from ansible._internal._datatag._tags import TrustedAsTemplate  # noqa: PLC0415
+    from ansible.parsing.dataloader import DataLoader  # noqa: PLC0415
+    from ansible.template import Templar  # noqa: PLC0415
     templar = Templar(loader=DataLoader(), variables={})
     return templar, lambda text: (templar.is_possibly_template(text)
                                   or templar.is_template(TrustedAsTemplate().tag(text)))
@@ -988,7 +992,7 @@ def ansible_templates():
 def test_a_jinja2_header_is_refused_as_ansible_would_evaluate_it():
     """ansible-core evaluates a string that begins with '#jinja2:' with the delimiters it sets
     (an -e @file's preset ran a lookup that way); the plan refuses it, named."""
-    from ansible._internal._datatag._tags import TrustedAsTemplate
+    from ansible._internal._datatag._tags import TrustedAsTemplate  # noqa: PLC0415 - see ansible_templates
     templar, is_template = ansible_templates()
     assert templar.template(TrustedAsTemplate().tag("#jinja2:variable_start_string:'[%',"
                                                     "variable_end_string:'%]'\n[% 7*7 %]")) == 49
@@ -1003,7 +1007,6 @@ def test_every_string_ansible_treats_as_a_template_is_refused():
     """Every string of pieces (delimiters of either kind, a header, line ends, plain text) that
     ansible-core in .venv calls a template is refused by the plan's own check; the action adds
     Ansible's quick check besides, so that a later Ansible's new forms are refused as well."""
-    import itertools
     templar, is_template = ansible_templates()
     pieces = ["{", "}", "%", "#", "{{", "{%", "{#", "#jinja2:", "[%", "\n", " ", "x", "'"]
     corpus = {"".join(p) for n in range(1, 4) for p in itertools.product(pieces, repeat=n)}
@@ -1248,7 +1251,7 @@ def owned(py, owners=(), mode="0o755"):
 def existing_plan(reports):
     py = "/opt/torch/.venv/bin/python"
     hostvars, groups, probes = cluster(2, dsc_env_manager="existing", dsc_existing_python=py)
-    for node, report in zip(probes, reports):
+    for node, report in zip(probes, reports, strict=True):
         if report is not None:
             probes[node]["existing_python"] = report
     return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
@@ -1418,7 +1421,6 @@ def test_preset_auto_reads_the_models_config_json_and_says_what_it_assumed(tmp_p
 
 
 def test_a_llama_config_gives_a_gated_mlp_and_no_position_embedding(tmp_path):
-    import dsc_memory
     values, notes = dsc_memory.hf_config_shape({
         "model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
         "intermediate_size": 8192, "max_position_embeddings": 4096, "vocab_size": 128256,
@@ -1470,7 +1472,7 @@ def test_preset_auto_writes_its_step_down_ladder_each_step_smaller_by_the_failed
     ladder = steps["ladder"]
     assert steps["index"] == 0 and (ladder[0]["preset"], ladder[0]["micro_batch"]) == ("zero1", 16)
     room = 143771
-    for a, b in zip(ladder, ladder[1:]):
+    for a, b in itertools.pairwise(ladder):
         assert b["predicted"] <= a["predicted"] * (room - 1536) / 1.3 / room
     for step in ladder:
         cfg = step["ds_config"]
@@ -1663,7 +1665,6 @@ def test_preset_auto_on_the_benchmarked_gpt2_chooses_what_fit_the_h200(tmp_path)
 
 
 def test_the_activation_is_read_from_an_hf_config_and_an_unknown_one_counted_as_the_costliest(tmp_path):
-    import dsc_memory
     values, notes = dsc_memory.hf_config_shape(dict(GPT2_CONFIG, activation_function="gelu_pytorch_tanh"))
     assert values["activation"] == "gelu_pytorch_tanh" and not any(n.startswith("activation ") for n in notes)
     assert dsc_memory.hf_config_shape({"model_type": "llama", "hidden_act": "silu"})[0]["activation"] == "silu"

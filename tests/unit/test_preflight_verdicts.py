@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import dsc_node
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("preflight_filters", ROOT / "plugins" / "filter" / "preflight.py")
 preflight = importlib.util.module_from_spec(spec)
@@ -164,7 +166,6 @@ def test_a_node_helper_others_can_write_fails_preflight():
 
 
 def test_owners_reads_uid_and_mode(tmp_path):
-    import dsc_node
     f = tmp_path / "helper"
     f.write_text("")
     f.chmod(0o777)
