@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine, in three tiers, fastest first:
 #   unit       tests/unit: pure logic (the plan, the node helper, train/config.py); seconds, nothing installed
-#   local      tests/local: what needs no container (train/ on 2 CPU ranks here, ansible-lint)
+#   local      tests/local: what needs no container (train/ on 2 CPU ranks here, ansible-lint, ruff)
 #   container  molecule/tests: what needs real nodes (a cluster of podman containers over SSH)
 # It installs what each tier needs just before it (the control venv; the offline wheelhouse and a
 # CPU torch+DeepSpeed venv; podman, runc and debootstrap from apt and the node images), and ends
