@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU benchmark on a machine with an existing CUDA torch and no network (issue: H200 numbers):
-# provision.yml with inventory/gpu-local (the existing interpreter + an offline wheelhouse),
+# provision.yml with bench/inventory/gpu-local (the existing interpreter + an offline wheelhouse),
 # launch.yml for each preset, then the hand-run reference (DeepSpeed ZeRO-2/3 and plain PyTorch)
 # in the same session. Everything lands in $OUT (default ./gpu-results).
 #
@@ -13,14 +13,14 @@
 #     REFS             e.g. "ds2 ds3 torch"; ds2x2/ds3x2 run the hand-run reference on 2 GPUs,
 #                      torch16x4 plain PyTorch at micro-batch 16 x 4 accumulation steps
 #   PREFLIGHT=1 runs preflight.yml (all-reduce across the node's GPUs) after provisioning.
-#   INVENTORY (default inventory/gpu-local), RUNS (where the master's run directories are, default
-#   /opt/dscluster/runs) and PROVISION_ARGS (e.g. "-f 1") let it drive other inventories.
+#   INVENTORY (default bench/inventory/gpu-local), RUNS (where the master's run directories are,
+#   default /opt/dscluster/runs) and PROVISION_ARGS (e.g. "-f 1") let it drive other inventories.
 set -uo pipefail
 wheels=$(realpath "$1"); coll=$(realpath "$2"); ref=$(realpath "$3"); presets=${4:-zero2}; refs=${5:-}
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
 . "$(dirname "$0")/gpu_ansible.sh"
 gpu_ansible "$wheels" "$coll" || exit 1
-ap() { PYTHONPATH=/tmp/anssite $py /tmp/anssite/bin/ansible-playbook -i "${INVENTORY:-inventory/gpu-local}" "$@"; }
+ap() { PYTHONPATH=/tmp/anssite $py /tmp/anssite/bin/ansible-playbook -i "${INVENTORY:-bench/inventory/gpu-local}" "$@"; }
 echo "image TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} (the toolkit renders its own from nvidia-smi)"
 if [ ! -f /tmp/dsc-provision.done ]; then
   t0=$(date +%s.%N)

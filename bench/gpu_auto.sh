@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # preset=auto beside the presets it is compared with, back to back on one machine, through
-# bench/gpu.sh. inventory/gpu-local without its fixed micro-batch, so that auto chooses one.
+# bench/gpu.sh. bench/inventory/gpu-local without its fixed micro-batch, so that auto chooses one.
 #
 #   bench/gpu_auto.sh WHEELS_DIR COLLECTIONS_TGZ REFERENCE_PY [SIZE [ONE_GPU [TWO_GPUS]]]
 #     SIZE 1.3b (default): the 1.42 B GPT at a global batch of 64 sequences, 10 steps; ONE_GPU
@@ -17,7 +17,7 @@ case $size in
   8b) batch=16 steps=4 one=${5-"auto+gpus1 zero3-offload+gpus1+mb8"} two=${6-} refs= ;;
   *) echo "SIZE is 1.3b or 8b" >&2; exit 2 ;;
 esac
-inv=$(mktemp -d) && cp -r inventory/gpu-local/. "$inv/" && sed -i '/^dsc_micro_batch:/d' "$inv/group_vars/all.yml"
+inv=$(mktemp -d) && cp -r bench/inventory/gpu-local/. "$inv/" && sed -i '/^dsc_micro_batch:/d' "$inv/group_vars/all.yml"
 export INVENTORY=$inv
 export LAUNCH_EXTRA="-e dsc_train_batch=$batch -e {\"dsc_train_config\":{\"size\":\"$size\",\"seq_len\":2048,\"steps\":$steps,\"save_final\":false}}"
 [ -z "$one" ] || OUT=$out/$size-one bash "$here/gpu.sh" "$1" "$2" "$3" "$one" "$refs"

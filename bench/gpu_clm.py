@@ -53,7 +53,7 @@ def make_data():
 
 def playbook(*args):
     command = os.environ.get("DSC_ANSIBLE_PLAYBOOK", "ansible-playbook").split()
-    r = subprocess.run([*command, "-i", "inventory/gpu-local", *args], cwd=ROOT, text=True,
+    r = subprocess.run([*command, "-i", "bench/inventory/gpu-local", *args], cwd=ROOT, text=True,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        env=dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg")))
     return r

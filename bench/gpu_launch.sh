@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with no network (the device image: CUDA torch at /opt/torch/.venv, no Ansible):
 # install the carried Ansible and collections beside the image's python, then run bench/launch.py
-# --where gpu (provision.yml with inventory/gpu-local, launch.yml vs the same deepspeed command by
+# --where gpu (provision.yml with bench/inventory/gpu-local, launch.yml vs the same deepspeed command by
 # hand, status.yml). WHEELS holds the node's wheels (DeepSpeed and the deps the image lacks), the
 # Ansible wheels and collections.tgz (ansible.posix, community.crypto, community.general).
 #   bench/gpu_launch.sh WHEELS OUT_JSON [REPS]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On one two-GPU host, back to back: two inventory nodes with one GPU each, launched without SSH
-# (inventory/gpu-two-nodes, dsc_launch_mode no_ssh), against one node with both GPUs
-# (inventory/gpu-local) and hand-run DeepSpeed on both GPUs, zero2 then zero3; then a no_ssh run
+# (bench/inventory/gpu-two-nodes, dsc_launch_mode no_ssh), against one node with both GPUs
+# (bench/inventory/gpu-local) and hand-run DeepSpeed on both GPUs, zero2 then zero3; then a no_ssh run
 # through status.yml, stop.yml (and a count of the run's processes left anywhere) and resume.yml.
 #
 #   bench/gpu_no_ssh.sh WHEELS_DIR COLLECTIONS_TGZ REFERENCE_PY [STAGES]   (STAGES: "2 3" default)
@@ -13,7 +13,7 @@ wheels=$1 coll=$2 ref=$3 stages=${4:-2 3}
 out=${OUT:-$PWD/gpu-results}
 here=$(dirname "$0")
 bash "$here/two_nodes_one_host.sh" /opt/dscluster/runs node1 node2 || exit 1
-two() { INVENTORY=inventory/gpu-two-nodes PROVISION_ARGS="-f 1" RUNS=/srv/dsc-nodes/node1/runs \
+two() { INVENTORY=bench/inventory/gpu-two-nodes PROVISION_ARGS="-f 1" RUNS=/srv/dsc-nodes/node1/runs \
         OUT=$out/two bash "$here/gpu.sh" "$wheels" "$coll" "$ref" "$1" ""; }
 one() { OUT=$out/one bash "$here/gpu.sh" "$wheels" "$coll" "$ref" "$1" "$2"; }
 for stage in $stages; do
@@ -27,7 +27,7 @@ done
 ctl=$out/control; mkdir -p "$ctl"
 py=/opt/torch/.venv/bin/python3
 ap() { PYTHONPATH=/tmp/anssite ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels \
-       $py /tmp/anssite/bin/ansible-playbook -i inventory/gpu-two-nodes "$@"; }
+       $py /tmp/anssite/bin/ansible-playbook -i bench/inventory/gpu-two-nodes "$@"; }
 id=ctl-$(date +%s) metrics=/srv/dsc-nodes/node1/runs/$id/metrics.jsonl
 ap launch.yml -e preset=zero2 -e run_id=$id \
   -e '{"dsc_train_config": {"size": "125m", "seq_len": 1024, "steps": 400, "save_every": 50}}' \

@@ -10,8 +10,8 @@
 #     HAND    by-hand runs attn:preset:micro-batch (default: eager at zero1/2/3 x 4/8)
 #   STEPS (12), TIMED (8): optimizer steps, of which the last TIMED are timed. The global batch is
 #   32 sequences of 2048 tokens (dsc_train_batch=32) on one GPU.
-# provision.yml (existing env, inventory/gpu-local without its micro-batch and train config) runs
-# once per machine. Each launch: auto's choice (launch.yml's line), memory.json's prediction,
+# provision.yml (existing env, bench/inventory/gpu-local without its micro-batch and train config)
+# runs once per machine. Each launch: auto's choice (launch.yml's line), memory.json's prediction,
 # memory.jsonl's measured peak, step_downs.jsonl, the script's RESULT line. By hand: the auto run's
 # own rendered ds_config.json with the preset's zero_optimization and the micro-batch swapped in,
 # `deepspeed --num_gpus 1 user_gpt2.py --deepspeed_config ...`. Every result is a line of
@@ -27,7 +27,7 @@ code=$PWD/bench/user_gpt2 runs=/opt/dscluster/runs
 gpu_ansible "$wheels" "$wheels/collections.tgz" || exit 1
 inv=/tmp/user-auto-inventory
 if [ ! -d $inv ]; then
-  cp -r inventory/gpu-local $inv
+  cp -r bench/inventory/gpu-local $inv
   sed -i '/^dsc_micro_batch:/d; /^# The 1.42 B/d; /^dsc_train_config:/,/^  save_final:/d' $inv/group_vars/all.yml
 fi
 ap() { PYTHONPATH=/tmp/anssite $py /tmp/anssite/bin/ansible-playbook -i $inv "$@"; }

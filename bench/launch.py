@@ -3,7 +3,7 @@ takes, on the 2-node container cluster and on this machine as a one-node cluster
 beside the same `deepspeed` command run by hand, in one call.
 
     .venv/bin/python bench/launch.py [--reps 3] [--where cluster local]
-    bench/launch.py --where gpu        # on a GPU machine: inventory/gpu-local, the 1.42 B GPT
+    bench/launch.py --where gpu        # on a GPU machine: bench/inventory/gpu-local, the 1.42 B GPT
                                        # (DSC_ANSIBLE_PLAYBOOK names the ansible-playbook command)
 
 For each launch: `ansible_s` is from `ansible-playbook launch.yml` starting to the supervisor
@@ -35,8 +35,8 @@ VENV_BIN = Path(sys.executable).parent
 
 
 class Local:
-    """This machine through an inventory of its own (inventory/local, inventory/gpu-local), with
-    the same few methods as testcluster.Cluster."""
+    """This machine through an inventory of its own (inventory/local, bench/inventory/gpu-local),
+    with the same few methods as testcluster.Cluster."""
     master = "localhost"
     names = ["localhost"]
     addr = "127.0.0.1"
@@ -163,7 +163,7 @@ def main():
         elif where == "local":
             results[where] = measure(where, Local(), Local.addr, a.reps)
         else:
-            results[where] = measure(where, Local("inventory/gpu-local"), Local.addr, a.reps, GPU_TRAIN)
+            results[where] = measure(where, Local("bench/inventory/gpu-local"), Local.addr, a.reps, GPU_TRAIN)
     out = Path(a.out)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print("\n| where | Ansible before DeepSpeed (median s) | first step, launch.yml | first step, by hand | ratio | status.yml |")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two (or more) inventory nodes on one host, as inventory/gpu-two-nodes has them: each node gets
+# Two (or more) inventory nodes on one host, as bench/inventory/gpu-two-nodes has them: each node gets
 # a mount namespace of its own in which RUN_ROOT is a directory of its own, as it would be on
 # separate machines (no_ssh mode runs a supervisor per node, each with its own run directory).
 # Ansible enters a node's namespace through its ansible_shell_executable, written here as

@@ -31,7 +31,7 @@ INDEX = int(os.environ.get("DSC_TEST_CLUSTER", "0"))
 SUFFIX = str(INDEX) if INDEX else ""
 STATE = Path(os.environ.get("DSC_TEST_STATE", ROOT / ".cache" / f"testcluster{SUFFIX}"))
 IMAGE = os.environ.get("DSC_IMAGE", "localhost/dscluster-node:bookworm")
-# systemd as PID 1 with dbus and firewalld (scripts/node-systemd.Containerfile).
+# systemd as PID 1 with dbus and firewalld (molecule/node-systemd.Containerfile).
 SYSTEMD_IMAGE = os.environ.get("DSC_SYSTEMD_IMAGE", "localhost/dscluster-node:bookworm-systemd")
 NETWORK = f"dsc-test{SUFFIX}"
 SUBNET = f"10.89.{77 + INDEX}.0/24"
@@ -60,7 +60,7 @@ NONDEFAULT_SSH_PORT = 2222
 TEST_PACKAGES = Path(os.environ.get("DSC_TEST_PACKAGES", ROOT / ".cache" / "test-packages"))
 PINS = dict(line.split("=", 1) for line in (ROOT / "requirements" / "pins.env").read_text().splitlines()
             if line.strip() and not line.startswith("#"))
-os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "scripts" / "containers.conf"))
+os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "molecule" / "containers.conf"))
 # The control venv's tools (ansible-playbook next to the python running this).
 VENV_BIN = Path(sys.executable).parent
 

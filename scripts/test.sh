@@ -10,7 +10,7 @@
 #   DSC_TIERS="unit local" bash scripts/test.sh     # only these tiers
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CONTAINERS_CONF=$PWD/scripts/containers.conf
+export CONTAINERS_CONF=$PWD/molecule/containers.conf
 export DSC_TIMINGS=$PWD/.cache/timings.jsonl
 tiers=${DSC_TIERS:-unit local container}
 mkdir -p .cache && rm -f "$DSC_TIMINGS"
@@ -60,7 +60,7 @@ if wants container; then
     phase "podman runc debootstrap openssh-client rsync (apt)" bash -c 'apt-get update -qq &&
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client rsync >/dev/null'
   fi
-  phase "node images" bash scripts/build-image.sh
+  phase "node images" bash molecule/build-image.sh
   # What the tests install beside the wheelhouse, fetched here so that the tests themselves reach
   # only their own containers: DeepSpeed's source archive as PyPI has it and wheel (the index
   # test; a source build without a pyproject.toml needs wheel beside setuptools), and another

@@ -1,6 +1,6 @@
 """firewalld as the cluster's firewall (cluster_network_firewall_backend: firewalld, with
 default-deny), on two more nodes of the test network that run systemd, dbus and firewalld
-(scripts/node-systemd.Containerfile), reached over SSH as the cluster's nodes are:
+(molecule/node-systemd.Containerfile), reached over SSH as the cluster's nodes are:
 `provision.yml --tags network` (the plan, the training user and roles/cluster_network alone; no
 torch on these nodes). The outsider container is the rest of the site's network."""
 import subprocess

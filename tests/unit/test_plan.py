@@ -164,14 +164,19 @@ def test_what_the_toolkit_sets_itself_is_never_taken_for_a_setting():
     assert errors == [], errors
 
 
-@pytest.mark.parametrize("inventory", sorted(p.name for p in (ROOT / "inventory").iterdir() if p.is_dir()))
+# What users copy (inventory/) and what the benchmarks run with (bench/inventory/).
+SHIPPED_INVENTORIES = sorted(str(p.relative_to(ROOT)) for parent in ("inventory", "bench/inventory")
+                             for p in (ROOT / parent).iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("inventory", SHIPPED_INVENTORIES)
 def test_the_shipped_inventories_set_only_declared_settings(inventory):
     def keys(node):
         if isinstance(node, dict):
             for k, v in node.items():
                 yield k
                 yield from keys(v)
-    names = {k for path in (ROOT / "inventory" / inventory).rglob("*.yml")
+    names = {k for path in (ROOT / inventory).rglob("*.yml")
              for k in keys(yaml.safe_load(path.read_text())) if str(k).startswith(dsc_plan.SETTING_PREFIXES)}
     assert names and names <= DECLARED, sorted(names - DECLARED)
 

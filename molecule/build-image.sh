@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the Debian 12 node image for the test cluster (debootstrap + podman import), and on it the
-# systemd node image (scripts/node-systemd.Containerfile: systemd, dbus, firewalld), both cached:
+# systemd node image (molecule/node-systemd.Containerfile: systemd, dbus, firewalld), both cached:
 # an existing image tagged $DSC_IMAGE / $DSC_SYSTEMD_IMAGE is kept unless REBUILD=1.
-#   scripts/build-image.sh
+#   molecule/build-image.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$here/containers.conf}
