@@ -279,7 +279,10 @@ def earlier_rows(results_dir):
         if "peak_mem_allocated_gib" not in d:
             continue
         name = f.stem[len("summary-"):]
-        preset = re.match(r"zero\d(-offload)?", name).group(0)
+        named = re.match(r"zero\d(-offload)?", name)
+        if not named:  # preset=auto's runs (summary-auto+...): the preset it chose is in no name
+            continue
+        preset = named.group(0)
         mb = int(re.search(r"mb(\d+)", name).group(1)) if "mb" in name else 8
         shape = memory.model_shape(*SIZES[MODEL["size"]], MODEL["vocab"], MODEL["seq_len"])
         pred = memory.predict(shape, preset, mb, d["world"], d["world"])
