@@ -53,6 +53,7 @@ import os
 import pwd
 import re
 import runpy
+import shlex
 import shutil
 import signal
 import socket
@@ -1861,8 +1862,9 @@ def on_others(hosts, *args):
     that cannot be reached keeps no record, and its status says so)."""
     others = list(hosts)[1:]
     if others:
+        # pdsh hands the remote shell one line: each argument quoted (a stop's --by has spaces).
         subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
-                        os.path.abspath(__file__), *args],
+                        shlex.join([os.path.abspath(__file__), *map(str, args)])],
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                        env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
 
