@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import dsc_node
+from dscnode import checks
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("preflight_filters", ROOT / "plugins" / "filter" / "preflight.py")
@@ -169,7 +169,7 @@ def test_owners_reads_uid_and_mode(tmp_path):
     f = tmp_path / "helper"
     f.write_text("")
     f.chmod(0o777)
-    got = dsc_node.owners([str(f), str(tmp_path / "missing")])
+    got = checks.owners([str(f), str(tmp_path / "missing")])
     assert got[str(f)]["mode"] == "0o777" and got[str(f)]["safe"] is False
     assert got[str(tmp_path / "missing")]["safe"] is False
 
