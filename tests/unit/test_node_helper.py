@@ -23,12 +23,9 @@ import pytest
 
 import dsc_plan
 from dscnode import checks, entry, launch, probe, procs, records, rundir, supervisor
-from dscnode.build import build
 
 ROOT = Path(__file__).resolve().parents[2]
-# The built file, where the plan builds the one it ships.
-HELPER = ROOT / ".cache" / "dsc_node.pyz"
-build(HELPER)
+HELPER = dsc_plan.node_helper(ROOT)[0]  # the file the nodes run, built as the plan builds it
 
 
 def helper(*args, stdin=None, env=None):

@@ -159,9 +159,9 @@ def test_a_stale_op_build_lock_fails_preflight_and_names_the_fix():
 
 def test_a_node_helper_others_can_write_fails_preflight():
     safe = {"uid": 0, "mode": "0o755", "safe": True}
-    assert preflight.owner_verdict({"/usr/local/lib/dscluster/dsc_node.py": safe})[0] == "PASS"
+    assert preflight.owner_verdict({"/usr/local/lib/dscluster/dsc_node.pyz": safe})[0] == "PASS"
     status, detail, fix = preflight.owner_verdict(
-        {"/usr/local/lib/dscluster/dsc_node.py": {"uid": 1000, "mode": "0o755", "safe": False}})
+        {"/usr/local/lib/dscluster/dsc_node.pyz": {"uid": 1000, "mode": "0o755", "safe": False}})
     assert status == "FAIL" and "owner uid 1000" in detail and "provision.yml" in fix
 
 
