@@ -4,6 +4,8 @@ and the entry shim from it leaves a user's script the sys.path that `python FILE
 
     .venv/bin/pytest tests/unit/test_node_build.py -q
 """
+import ast
+import graphlib
 import hashlib
 import json
 import subprocess
@@ -74,3 +76,18 @@ def test_no_module_of_the_package_exceeds_600_lines():
     long = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert not long, f"{long}: split by concern (node/dscnode/__init__.py lists the modules)"
 
+
+def test_no_module_of_the_package_imports_another_in_a_circle():
+    """The modules' imports of each other (cli's own, made when an action runs, included) form no
+    cycle: rundir under everything, the entry shim on rundir alone."""
+    imports = {}
+    for path in PACKAGE.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dscnode."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.ImportFrom) and node.module == "dscnode":
+                found.update(a.name for a in node.names if (PACKAGE / f"{a.name}.py").exists())
+        imports[path.stem] = found - {path.stem}
+    assert imports["entry"] == {"rundir"} and imports["rundir"] == set()
+    list(graphlib.TopologicalSorter(imports).static_order())  # CycleError names a circle
