@@ -63,9 +63,10 @@ def main(argv):
         print(__doc__)
         return 2
     from dscnode.procs import Blind
-    # start's command follows "--" as it is, options and all (DeepSpeed's launcher's).
-    cmd = argv[argv.index("--") + 1:] if argv[0] == "start" and "--" in argv else None
-    args = parser().parse_args(argv[:argv.index("--")] if cmd is not None else argv)
+    cmd = None
+    if argv[0] == "start" and "--" in argv:  # its command as it is, options and all (the launcher's)
+        argv, cmd = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    args = parser().parse_args(argv)
     args.cmd = cmd
     try:
         return args.run(args) or 0
@@ -75,6 +76,8 @@ def main(argv):
 
 
 def parser():
+    """Every action's arguments as the roles and the supervisor pass them; each action's function
+    (below) prints its JSON and returns the exit code (None: 0)."""
     import argparse
     top = argparse.ArgumentParser(prog=PROG, description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
