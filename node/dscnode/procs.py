@@ -5,6 +5,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -225,8 +226,9 @@ def on_others(hosts, *args):
     that cannot be reached keeps no record, and its status says so)."""
     others = list(hosts)[1:]
     if others:
+        # pdsh hands the remote shell one line: each argument quoted (a stop's --by has spaces).
         subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
-                        program(), *args],
+                        shlex.join([program(), *map(str, args)])],
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                        env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
 

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pwd
+import shlex
 import shutil
 import socket
 import subprocess
@@ -928,6 +929,18 @@ def test_a_stop_on_purpose_names_who_stopped_it(tmp_path):
     assert records.status(run, "r1-not-running")["stopped_by"] is None
     procs.teardown("r1-not-running", ["node1"], str(run), by="a launch with replace=true (run r2)")
     assert records.status(run, "r1-not-running")["stopped_by"] == "a launch with replace=true (run r2)"
+
+
+def test_pdsh_gets_the_helpers_command_as_one_shell_line_each_argument_quoted(monkeypatch):
+    """pdsh hands the other nodes' shells one line: a stop's --by with spaces and parentheses
+    (a replacing launch's) must arrive as one argument, not as shell syntax."""
+    seen = []
+    monkeypatch.setattr(procs.subprocess, "run", lambda argv, **kw: seen.append(argv))
+    by = "a launch with replace=true (run r2)"
+    procs.on_others(["node1", "node2", "node3"], "stop", "r1", "--grace", 5, "--by", by)
+    (argv,) = seen
+    assert argv[:2] == ["pdsh", "-R"] and argv[argv.index("-w") + 1] == "node2,node3"
+    assert shlex.split(argv[-1])[1:] == ["stop", "r1", "--grace", "5", "--by", by]
 
 
 def test_follow_counts_every_nodes_ranks(tmp_path, monkeypatch):
