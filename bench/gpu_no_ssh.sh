@@ -41,7 +41,7 @@ grep -A4 '"run '"$id" "$ctl/status.log"
 ap stop.yml -e run_id=$id > "$ctl/stop.log" 2>&1; echo "stop rc=$?"
 grep -E '"msg": "node' "$ctl/stop.log"
 for n in node1 node2; do  # every process that carries the run's id, read by root from /proc
-  echo "$n after stop: $(/srv/dsc-nodes/$n/sh -c "python3 /usr/local/lib/dscluster/dsc_node.py procs $id")"
+  echo "$n after stop: $(/srv/dsc-nodes/$n/sh -c "python3 /usr/local/lib/dscluster/dsc_node.pyz procs $id")"
 done | tee "$ctl/left.txt"
 ap resume.yml -e run_id=$id -e follow=true > "$ctl/resume.log" 2>&1; echo "resume rc=$?"
 grep -E '"state"|resum' "$ctl/resume.log" | head -5

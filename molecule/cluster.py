@@ -38,7 +38,7 @@ SUBNET = f"10.89.{77 + INDEX}.0/24"
 SUBNET6 = f"fd89:{77 + INDEX}::/64"
 PREFIX = f"dsc{SUFFIX}-"
 # Where provision.yml installs the node helper, and the default run root.
-HELPER = "/usr/local/lib/dscluster/dsc_node.py"
+HELPER = "/usr/local/lib/dscluster/dsc_node.pyz"
 RUNS = "/opt/dscluster/runs"
 OUTSIDER = PREFIX + "outsider"
 
@@ -367,7 +367,7 @@ class Cluster:
         return json.loads(r.stdout) if r.returncode == 0 else None
 
     def rank_pids(self, node, run_id, program="--module train.run"):
-        """The pids of a run's ranks on a node: `dsc_node.py entry <program>`, not the launcher."""
+        """The pids of a run's ranks on a node: `dsc_node.pyz entry <program>`, not the launcher."""
         return [p["pid"] for p in self.procs(node, run_id) or []
                 if f"entry {program}" in p["cmd"] and "deepspeed.launcher" not in p["cmd"]]
 

@@ -13,7 +13,7 @@ def tc(**kw):
 
 
 def run_procs(cluster, node, run_id):
-    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain")
+    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.pyz procs {run_id}", user="dstrain")
     return json.loads(r.stdout)
 
 

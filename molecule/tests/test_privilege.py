@@ -11,7 +11,7 @@ SEEN = "/tmp/who-ran-the-env"
 # The env's console scripts, each swapped by the training user for one that records who runs it.
 SWAPPED = "deepspeed ds_report pip ninja"
 BIN = "/opt/dscluster/env/bin"
-ROOT_OWNED = "/usr/local/lib/dscluster /usr/local/lib/dscluster/dsc_node.py /srv/victim /etc/ssh"
+ROOT_OWNED = "/usr/local/lib/dscluster /usr/local/lib/dscluster/dsc_node.pyz /srv/victim /etc/ssh"
 
 
 def test_root_never_runs_the_training_users_env(provisioned, cluster, tmp_path):

@@ -13,7 +13,7 @@ TINY = {"vocab_size": 512, "seq_len": 64}
 
 
 def procs(cluster, node, run_id):
-    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.py procs {run_id}", user="dstrain", check=False)
+    r = cluster.exec(node, f"/usr/local/lib/dscluster/dsc_node.pyz procs {run_id}", user="dstrain", check=False)
     assert r.returncode == 0, r.stdout + r.stderr  # a lookup that cannot see is an error
     return json.loads(r.stdout)
 

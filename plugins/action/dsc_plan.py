@@ -4,7 +4,8 @@ Run by roles/plan (run_once, registered as `dsc_plan` on every host of the play)
 plugins/module_utils/dsc_plan.py. It reads each node's inventory values through hostvars, the
 nodes' probes (the `probe_var` each node registered), the run options from the play, the names
 given with -e, and the defaults from roles/plan/meta/argument_specs.yml and requirements/pins.env;
-it fails with every problem at once.
+it fails with every problem at once. With build_helper it only builds the node helper (the file the
+probe runs, before the plan) and returns its path and sha256.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class ActionModule(ActionBase):
                                                    getattr(self._templar, "is_possibly_template", None))
             return failed(result, problems, f"{len(problems)} problem(s), nothing was changed:") \
                 if problems else dict(result, changed=False)
+        if args.get("build_helper"):
+            path, sha256 = dsc_plan.node_helper(REPO)
+            return dict(result, changed=False, path=path, sha256=sha256)
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]
         probe_var = args.get("probe_var", "__plan_probe")
         names = dsc_plan.node_order(groups)
@@ -85,8 +89,8 @@ class ActionModule(ActionBase):
             except ValueError:
                 why = " ".join(str(probe.get("stderr") or probe.get("stdout") or "nothing").split())
                 unreachable.append(f"host {name}: the node probe printed no report ({why[-300:]}). "
-                                   f"Fix: run the probe there by hand (python3 node/dsc_node.py probe) "
-                                   f"and mend what it says.")
+                                   f"Fix: copy .cache/dsc_node.pyz there, run the probe by hand "
+                                   f"(python3 dsc_node.pyz probe) and mend what it says.")
         # status.yml shows an unreachable node as such; everything else needs every node.
         allow_unreachable = dsc_plan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
         if unreachable and not allow_unreachable:

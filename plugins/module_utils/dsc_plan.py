@@ -9,7 +9,7 @@ the run options) and hands the result to every later play as `dsc_plan`. Inputs:
     hostvars  {node: {variable: value}}   inventory values as Ansible resolved them for that node
                                           (unset ones absent: defaults come from `defaults`)
     groups    {"cluster": [...], "master": [...]}
-    probes    {node: what `dsc_node.py probe` printed}: gpus, interfaces, infiniband, runs
+    probes    {node: what `dsc_node.pyz probe` printed}: gpus, interfaces, infiniband, runs
     defaults  {variable: default}         roles/plan/meta/argument_specs.yml's defaults
     paths     {"repo": ..., "templates": ...} on the control node
     variables {node: [names]}             every variable name a node has (undeclared settings)
@@ -28,17 +28,24 @@ import copy
 import difflib
 import functools
 import hashlib
-import importlib.util
 import io
 import ipaddress
 import json
 import os
 import posixpath
 import re
+import sys
 import tarfile
 import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+# The node helper's package (node/dscnode): the plan reads the run directory's names and the
+# helper's installed path from it, and builds from it the one file the nodes run.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "node"))
+from dscnode import INSTALLED_PATH
+from dscnode.build import build
+from dscnode.rundir import SECRETS_DIR, RunDir
 
 CLUSTER_GROUP = "cluster"
 MASTER_GROUP = "master"
@@ -161,12 +168,12 @@ FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_sc
         "hysteresis": 2, "min_loss_scale": 1}
 
 
-def node_helper(path):
-    """node/dsc_node.py as a module (standard library only): where it is installed, its layout."""
-    spec = importlib.util.spec_from_file_location("dsc_node", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def node_helper(repo):
+    """The node helper the nodes run, built from node/dscnode into the repository's .cache/
+    (dscnode.build; the same sources give the same bytes): its path here and its sha256, which
+    the probe's of the installed copy must match."""
+    path = Path(repo) / ".cache" / posixpath.basename(INSTALLED_PATH)
+    return str(path), build(path)
 
 
 def read_pins(path):
@@ -423,7 +430,7 @@ def _existing_python(problems, py, where):
 
 def existing_owner(node, py, report):
     """(the user that runs an existing interpreter, a problem or None), from what the probe saw
-    of it (dsc_node.path_owners): root when it, the directories above it (as written and as
+    of it (dscnode.probe.path_owners): root when it, the directories above it (as written and as
     resolved) and its lib directories are all root's and none is writable by group or others
     (a sticky directory such as /tmp excepted); else the one other user who owns some of them
     (it runs only as that user: root never runs what another user can change); refused when
@@ -1335,8 +1342,8 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
 
 
 def secrets_path(run_root, run_id):
-    """Where the node helper keeps a run's secrets (dsc_node.secrets_file): beside the run."""
-    return f"{run_root}/.secrets/{run_id}.json"
+    """Where the node helper keeps a run's secrets (dscnode.rundir.secrets_file): beside the run."""
+    return f"{run_root}/{SECRETS_DIR}/{run_id}.json"
 
 
 def _resume_secrets(run_id, plan, runs_seen, problems):
@@ -1889,8 +1896,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "ds_config": config, "config_mode": mode, "resume_args": entry["resume_args"],
         "ds_config_file": str(opt["dsc_ds_config_file"] or ""),
         "code_dir": entry["code_dir"], "code_shared": entry["shared"],
-        "code_dest": f"{run_dir}/code/{code_base}" if package_dir else f"{run_dir}/code",
-        "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/code", "env": env,
+        "code_dest": f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
+        "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}", "env": env,
         "secrets_file": secrets_path(plan["run_root"], run_id),
         "commands": _commands(plan, s, run_dir, entry, config_arg, resume), "code_archive": archive,
         # Written into the run directory on every node (name -> text).
@@ -1899,12 +1906,12 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
             "hostfile": hostfile,
             "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
             # the predicted peak per GPU, beside which each rank records its measured one
-            **({"memory.json": json.dumps(memory, indent=2, sort_keys=True) + "\n"} if memory else {}),
+            **({RunDir.MEMORY: json.dumps(memory, indent=2, sort_keys=True) + "\n"} if memory else {}),
             # preset=auto's step-down ladder (the node helper's supervisor reads it)
-            **({"auto.json": json.dumps(step_down, sort_keys=True) + "\n"} if step_down else {}),
+            **({RunDir.AUTO: json.dumps(step_down, sort_keys=True) + "\n"} if step_down else {}),
             "run_id": run_id + "\n",
             # with the names (never the values) of its secrets: resume checks they are there
-            "launch.json": json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
+            RunDir.LAUNCH: json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
                                            secret_names=plan["secret_names"]),
                                       indent=2, sort_keys=True) + "\n",
             ".deepspeed_env": env_text,
@@ -2049,7 +2056,7 @@ class Plan:
     node_env: dict[str, str]  # the environment of every DeepSpeed process on a node (op builds, probes)
     rank_env: dict[str, str]  # the ranks' environment (.deepspeed_env)
     helper: str  # the node helper's path on the nodes
-    helper_src: str  # the node helper on the control node
+    helper_src: str  # the built node helper on the control node (node_helper)
     helper_sha256: str
     runs: list[dict]  # the runs under run_root on the master, newest first (its probe)
     run: dict | None  # launch, resume, preflight: the run to start (_run); None for the other playbooks
@@ -2142,8 +2149,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                 problems.add(problem)
         return None, problems.messages
 
-    helper_src = str(Path(paths["repo"]) / "node" / "dsc_node.py")
-    helper_module = node_helper(helper_src)
+    helper_src, helper_sha256 = node_helper(paths["repo"])
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
     prefix, python = _env_paths(s, install_root)
     cache_dir = f"{install_root}/cache"
@@ -2206,8 +2212,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         firewall=as_bool(s["cluster_network_firewall"]),
         ssh_sources=s["cluster_network_ssh_sources"],
         node_env=node_env, rank_env=rank_env,
-        helper=helper_module.INSTALLED_PATH, helper_src=helper_src,
-        helper_sha256=helper_module.sha256(helper_src),
+        helper=INSTALLED_PATH, helper_src=helper_src, helper_sha256=helper_sha256,
         runs=(probes.get(nodes[0]["name"]) or {}).get("runs") or [],
         run=None,
     )

@@ -1,5 +1,6 @@
-"""The node helper (node/dsc_node.py) on this machine: run files, the launch lock and the active
-run, free ports, status states and failure parsing. Real processes, no container.
+"""The node helper (node/dscnode, run as the built dsc_node.pyz) on this machine: run files, the
+launch lock and the active run, free ports, status states and failure parsing. Real processes, no
+container.
 
     .venv/bin/pytest tests/unit/test_node_helper.py -q
 """
@@ -22,11 +23,10 @@ from pathlib import Path
 import pytest
 
 import dsc_plan
+from dscnode import checks, entry, launch, probe, procs, records, rundir, supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPER = ROOT / "node" / "dsc_node.py"
-sys.path.insert(0, str(HELPER.parent))
-import dsc_node  # noqa: E402
+HELPER = dsc_plan.node_helper(ROOT)[0]  # the file the nodes run, built as the plan builds it
 
 
 def helper(*args, stdin=None, env=None):
@@ -52,7 +52,7 @@ def test_write_run_writes_files_and_code_then_refuses_a_used_dir(tmp_path):
     r = helper("write-run", run, stdin=json.dumps(spec))
     assert r.returncode == 0, r.stderr
     assert (run / "hostfile").read_text() == "a slots=1\n" and (run / "code" / "train.py").exists()
-    (run / dsc_node.RunDir.LOG).write_text("started\n")
+    (run / rundir.RunDir.LOG).write_text("started\n")
     again = helper("write-run", run, stdin=json.dumps(spec))
     assert again.returncode == 4 and "already holds a run" in again.stdout
     assert helper("write-run", run, "--resume", stdin=json.dumps({"files": {}})).returncode == 0
@@ -77,8 +77,8 @@ def test_free_port_skips_a_port_in_use():
     s.listen(1)
     busy = s.getsockname()[1]
     try:
-        assert dsc_node.free_port(busy, busy) is None
-        assert dsc_node.free_port(busy, busy + 1) in (busy + 1, None)
+        assert checks.free_port(busy, busy) is None
+        assert checks.free_port(busy, busy + 1) in (busy + 1, None)
     finally:
         s.close()
 
@@ -86,29 +86,29 @@ def test_free_port_skips_a_port_in_use():
 def test_pid_alive_reads_dead_and_other_users_processes(tmp_path):
     pid_file = tmp_path / "pid"
     pid_file.write_text(str(os.getpid()))
-    assert dsc_node.pid_alive(pid_file) == os.getpid()
+    assert procs.pid_alive(pid_file) == os.getpid()
     pid_file.write_text("1")  # init: alive; EPERM for a non-root reader is still alive
-    assert dsc_node.pid_alive(pid_file) == 1
+    assert procs.pid_alive(pid_file) == 1
     dead = subprocess.Popen(["true"])
     dead.wait()
     pid_file.write_text(str(dead.pid))
-    assert dsc_node.pid_alive(pid_file) is None
+    assert procs.pid_alive(pid_file) is None
     pid_file.write_text("garbage")
-    assert dsc_node.pid_alive(pid_file) is None
+    assert procs.pid_alive(pid_file) is None
 
 
 def test_runs_lists_newest_first_with_active_and_started(tmp_path):
     for name in ("old", "new"):
         (tmp_path / name).mkdir()
-    (tmp_path / "new" / dsc_node.RunDir.PID).write_text(str(os.getpid()))
-    (tmp_path / "old" / dsc_node.RunDir.LOG).write_text("x")
+    (tmp_path / "new" / rundir.RunDir.PID).write_text(str(os.getpid()))
+    (tmp_path / "old" / rundir.RunDir.LOG).write_text("x")
     for i, name in enumerate(["old", "new"]):
         os.utime(tmp_path / name, (1000 + i, 1000 + i))
     os.symlink("/etc", tmp_path / "link")  # never followed
-    runs = dsc_node.runs(tmp_path)
+    runs = records.runs(tmp_path)
     assert [r["id"] for r in runs] == ["new", "old"]
     assert runs[0]["active"] and not runs[0]["started"] and runs[1]["started"] and not runs[1]["active"]
-    assert dsc_node.active(tmp_path) == {"run_id": "new", "run_dir": str(tmp_path / "new")}
+    assert procs.active(tmp_path) == {"run_id": "new", "run_dir": str(tmp_path / "new")}
 
 
 @pytest.mark.parametrize("files,state", [
@@ -122,7 +122,7 @@ def test_runs_lists_newest_first_with_active_and_started(tmp_path):
 def test_status_states(tmp_path, files, state):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    assert dsc_node.status(tmp_path, "nope-run")["state"] == state
+    assert records.status(tmp_path, "nope-run")["state"] == state
 
 
 def test_status_reads_the_last_metrics_and_the_failure(tmp_path):
@@ -130,7 +130,7 @@ def test_status_reads_the_last_metrics_and_the_failure(tmp_path):
     (tmp_path / "exit_code").write_text("1\n")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
     (tmp_path / "failure.json").write_text(json.dumps({"node": "node2", "message": "a rank on node2 was killed by SIGKILL"}))
-    st = dsc_node.status(tmp_path, "nope-run")
+    st = records.status(tmp_path, "nope-run")
     assert st["last"] == {"step": 2, "loss": 1.5} and st["failed_node"] == "node2"
     assert st["first_error"] == ("a rank on node2 was killed by SIGKILL; first error: Traceback (most "
                                  "recent call last):")
@@ -144,11 +144,11 @@ def test_status_reads_the_last_metrics_and_the_failure(tmp_path):
     ("some other line", None),
 ])
 def test_failure_lines_from_deepspeed_and_pdsh(line, expect):
-    ev = dsc_node.failure_event(line)
+    ev = supervisor.failure_event(line)
     if expect is None:
         assert ev is None
     else:
-        assert (ev["node"], ev["kind"], dsc_node.describe(ev)) == expect
+        assert (ev["node"], ev["kind"], supervisor.describe(ev)) == expect
 
 
 def wait_for(path, seconds=20):
@@ -200,7 +200,7 @@ def test_start_records_port_and_exit_code_and_refuses_while_a_run_is_active(tmp_
     assert (root / "short" / "exit_code").read_text().strip() == "3"
     log = (root / "short" / "launcher.log").read_text()
     assert "hello" in log
-    assert dsc_node.status(root / "short", "short")["state"] == "failed"
+    assert records.status(root / "short", "short")["state"] == "failed"
 
 
 def test_start_puts_the_chosen_port_after_the_launcher(tmp_path):
@@ -249,9 +249,9 @@ def test_a_worker_with_live_ranks_is_running_and_records_the_exit(tmp_path):
                             env=dict(os.environ, DSC_RUN_ID="w-run"))
     try:
         deadline = time.time() + 10
-        while time.time() < deadline and len(dsc_node.procs("w-run")) < 3:
+        while time.time() < deadline and len(procs.procs("w-run")) < 3:
             time.sleep(0.1)
-        st = dsc_node.status(tmp_path, "w-run")
+        st = records.status(tmp_path, "w-run")
         assert st["state"] == "running" and st["ranks_alive"] == 1 and st["processes"] == 3
         (tmp_path / "ext" / "cpu_adam").mkdir(parents=True)
         (tmp_path / "ext" / "cpu_adam" / "lock").write_text("")  # left by a rank killed mid-build
@@ -263,13 +263,13 @@ def test_a_worker_with_live_ranks_is_running_and_records_the_exit(tmp_path):
     finally:
         rank.kill()
     assert helper("write-exit", tmp_path, 0).returncode == 0
-    assert dsc_node.status(tmp_path, "w-run")["state"] == "finished"
+    assert records.status(tmp_path, "w-run")["state"] == "finished"
 
 
 def test_the_envs_python_runs_as_its_owner_never_as_root():
     """versions() runs the env's python as the env's owner: a .pth planted there by the training
     user must not run as root (here: any user's id instead of root's)."""
-    rc, out, _ = dsc_node.run(["id", "-u"], user="nobody")
+    rc, out, _ = procs.run(["id", "-u"], user="nobody")
     expected = str(__import__("pwd").getpwnam("nobody").pw_uid) if os.geteuid() == 0 else str(os.geteuid())
     assert rc == 0 and out.strip() == expected
 
@@ -292,14 +292,14 @@ def test_the_first_exception_of_the_latest_attempt_with_its_node_and_traceback(t
     offset = log.stat().st_size
     with open(log, "a") as f:
         f.write(LOG)
-    error, trace = dsc_node.first_error(log, offset)
+    error, trace = records.first_error(log, offset)
     assert error == "node2: [rank1]: ValueError: bad shape (3, 4)"
     assert trace[0] == "node2: Traceback (most recent call last):" and trace[-1] == error
     assert not any(line.startswith("node1") for line in trace) and len(trace) == 6
-    assert dsc_node.first_error(log)[0] == "node1: RuntimeError: the first attempt's error"
+    assert records.first_error(log)[0] == "node1: RuntimeError: the first attempt's error"
     (tmp_path / "attempt.json").write_text(json.dumps({"attempt": 2, "offset": offset}))
     (tmp_path / "exit_code").write_text("1\n")
-    st = dsc_node.status(tmp_path, "nope-run")
+    st = records.status(tmp_path, "nope-run")
     assert st["state"] == "failed" and st["first_error"] == error and st["traceback"] == trace
 
 
@@ -308,7 +308,7 @@ def test_run_files_leave_out_code_and_checkpoints(tmp_path):
                  "checkpoints/step10/COMPLETE", "exit_code.tmp"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    assert dsc_node.run_files(tmp_path) == ["launcher.log", "metrics.jsonl", "monitor/csv/loss.csv"]
+    assert records.run_files(tmp_path) == ["launcher.log", "metrics.jsonl", "monitor/csv/loss.csv"]
 
 
 def test_runs_table_has_a_row_per_run_newest_first(tmp_path):
@@ -322,7 +322,7 @@ def test_runs_table_has_a_row_per_run_newest_first(tmp_path):
         for f, text in files.items():
             (tmp_path / name / f).write_text(text)
         os.utime(tmp_path / name / "run_id", (1000 + i, 1000 + i))
-    rows = dsc_node.runs_table(tmp_path)
+    rows = records.runs_table(tmp_path)
     assert [(r["id"], r["state"], r["config"], r["step"]) for r in rows] == [
         ("new", "failed", None, None), ("own", "finished", None, 3), ("old", "finished", "preset zero3", 5)]
     # train.run's tokens/s and another script's samples/s stay apart: the table shows each's unit
@@ -398,19 +398,19 @@ def test_status_reads_any_scripts_progress_when_there_are_no_metrics(tmp_path):
     run.mkdir()
     (run / "progress.jsonl").write_text(json.dumps({"step": 4, "loss": 2.5, "lr": 1e-3}) + "\n"
                                         + json.dumps({"step": 8, "loss": 2.1, "lr": 1e-3}) + "\n")
-    assert dsc_node.status(run, "r1")["last"]["step"] == 8
+    assert records.status(run, "r1")["last"]["step"] == 8
     (run / "metrics.jsonl").write_text(json.dumps({"step": 9, "loss": 2.0, "tokens_per_s": 10}) + "\n")
-    assert dsc_node.status(run, "r1")["last"]["tokens_per_s"] == 10  # train.run's own, richer
+    assert records.status(run, "r1")["last"]["tokens_per_s"] == 10  # train.run's own, richer
 
 
 def test_latest_checkpoint_placeholder_takes_the_highest_step_or_drops_the_option(tmp_path):
     for name in ("checkpoint-9", "checkpoint-40", "checkpoint-100x", "other"):
         (tmp_path / "out" / name).mkdir(parents=True)
     argv = ["deepspeed", "run.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
-    assert dsc_node.resolve_latest(argv, tmp_path)[-1] == "out/checkpoint-100x"
+    assert supervisor.resolve_latest(argv, tmp_path)[-1] == "out/checkpoint-100x"
     (tmp_path / "out" / "checkpoint-100x").rmdir()
-    assert dsc_node.resolve_latest(argv, tmp_path)[-2:] == ["--resume_from_checkpoint", "out/checkpoint-40"]
-    assert dsc_node.resolve_latest(argv, tmp_path / "nothing") == ["deepspeed", "run.py"]
+    assert supervisor.resolve_latest(argv, tmp_path)[-2:] == ["--resume_from_checkpoint", "out/checkpoint-40"]
+    assert supervisor.resolve_latest(argv, tmp_path / "nothing") == ["deepspeed", "run.py"]
 
 
 def test_latest_checkpoint_never_takes_a_name_with_a_line_end(tmp_path):
@@ -420,18 +420,18 @@ def test_latest_checkpoint_never_takes_a_name_with_a_line_end(tmp_path):
     for name in ("checkpoint-99\n", "checkpoint-98\r", "checkpoint-97\ntouch"):
         (tmp_path / "out" / name).mkdir()
     argv = ["run.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
-    assert dsc_node.resolve_latest(argv, tmp_path)[-1] == "out/checkpoint-9"
-    assert dsc_node.resolve_latest(["{latest:out/checkpoint-*}\n"], tmp_path) == ["{latest:out/checkpoint-*}\n"]
+    assert supervisor.resolve_latest(argv, tmp_path)[-1] == "out/checkpoint-9"
+    assert supervisor.resolve_latest(["{latest:out/checkpoint-*}\n"], tmp_path) == ["{latest:out/checkpoint-*}\n"]
 
 
 def test_a_run_without_a_new_step_for_the_limit_is_stalled_until_the_next_step(tmp_path):
-    run = dsc_node.RunDir(tmp_path)
+    run = rundir.RunDir(tmp_path)
     progress = tmp_path / "progress.jsonl"
 
     def step(n):
         with progress.open("a") as f:
             f.write(json.dumps({"step": n, "loss": 1.0}) + "\n")
-    watch = dsc_node.Stall(run, timeout_s=0, min_s=5)
+    watch = supervisor.Stall(run, timeout_s=0, min_s=5)
     assert watch.check(100.0) is None  # no step yet (start-up, op builds): nothing judged
     step(1)
     assert watch.check(101.0) is None
@@ -443,12 +443,12 @@ def test_a_run_without_a_new_step_for_the_limit_is_stalled_until_the_next_step(t
     assert json.loads((tmp_path / "stalled.json").read_text())["step"] == 3
     step(4)
     assert watch.check(114.0) is None and not (tmp_path / "stalled.json").exists()
-    assert dsc_node.Stall(run, timeout_s=30).limit() == 30
-    restarted = dsc_node.Stall(run, timeout_s=0, min_s=5)  # a restart: step 4 is the last attempt's
+    assert supervisor.Stall(run, timeout_s=30).limit() == 30
+    restarted = supervisor.Stall(run, timeout_s=0, min_s=5)  # a restart: step 4 is the last attempt's
     assert restarted.check(200.0) is None and restarted.check(300.0) is None
     step(2)
     assert restarted.check(301.0) is None and restarted.check(306.5)["step"] == 2
-    assert dsc_node.describe({"kind": "stall", "limit_s": 10.0, "step": 3}) == \
+    assert supervisor.describe({"kind": "stall", "limit_s": 10.0, "step": 3}) == \
         "the run stalled: no step for 10 s after step 3"
 
 
@@ -461,7 +461,7 @@ def test_after_import_patches_a_module_once_on_its_first_import(tmp_path):
     def patch(module):
         seen.append(module.__name__)
         module.Engine.step = lambda self: "patched"
-    finder = dsc_node.AfterImport({"pkg_after.engine": patch})
+    finder = entry.AfterImport({"pkg_after.engine": patch})
     sys.path.insert(0, str(tmp_path))
     sys.meta_path.insert(0, finder)
     try:
@@ -475,13 +475,13 @@ def test_after_import_patches_a_module_once_on_its_first_import(tmp_path):
 
 def test_a_pid_file_names_one_process_never_a_later_one_with_the_same_number(tmp_path):
     pid_file = tmp_path / "launcher.pid"
-    dsc_node.write_pid(pid_file, os.getpid())
-    assert dsc_node.pid_alive(pid_file) == os.getpid()
+    procs.write_pid(pid_file, os.getpid())
+    assert procs.pid_alive(pid_file) == os.getpid()
     pid, started = pid_file.read_text().split()
     pid_file.write_text(f"{pid} {int(started) - 1}\n")  # the number reused by a later process
-    assert dsc_node.pid_alive(pid_file) is None
+    assert procs.pid_alive(pid_file) is None
     pid_file.write_text(f"{pid}\n")  # written before start times were kept
-    assert dsc_node.pid_alive(pid_file) == os.getpid()
+    assert procs.pid_alive(pid_file) == os.getpid()
 
 
 def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_directory(tmp_path):
@@ -497,14 +497,14 @@ def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_dir
     (young / "lock").write_text("")
     builder = subprocess.Popen(["sleep", "30"], cwd=held)  # as ninja runs in the op's directory
     try:
-        locks = {Path(x["path"]).parent.name: x["stale"] for x in dsc_node.jit_locks(tmp_path)}
+        locks = {Path(x["path"]).parent.name: x["stale"] for x in procs.jit_locks(tmp_path)}
         assert locks == {"fused_adam": False, "cpu_adam": True, "shm_comm": False}
-        assert dsc_node.remove_stale_locks(tmp_path) == [str(left / "lock")]
+        assert procs.remove_stale_locks(tmp_path) == [str(left / "lock")]
         assert (held / "lock").exists() and (young / "lock").exists() and not (left / "lock").exists()
     finally:
         builder.kill()
         builder.wait()
-    assert dsc_node.jit_locks(tmp_path / "none") == []
+    assert procs.jit_locks(tmp_path / "none") == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
@@ -518,10 +518,10 @@ def test_jit_locks_are_read_as_the_training_user_without_running_an_interpreter(
         (ext / "cpu_adam" / "lock").write_text("")
         old = time.time() - 600
         os.utime(ext / "cpu_adam" / "lock", (old, old))
-        found = dsc_node.jit_locks_as(str(ext), "nobody")
+        found = procs.jit_locks_as(str(ext), "nobody")
         assert [(Path(x["path"]).parent.name, x["stale"]) for x in found] == [("cpu_adam", True)]
         ext.chmod(0o700)  # what the user cannot read is reported, not taken for "no locks"
-        assert dsc_node.jit_locks_as(str(ext), "nobody") == [
+        assert procs.jit_locks_as(str(ext), "nobody") == [
             {"path": str(ext), "error": f"{ext}: Permission denied"}]
     finally:
         shutil.rmtree(ext)
@@ -532,21 +532,21 @@ def test_write_run_refuses_a_run_directory_that_is_a_symbolic_link(tmp_path):
     victim.mkdir()
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "r1").symlink_to(victim)
-    out = dsc_node.write_run(str(tmp_path / "runs" / "r1"), {"files": {"hostfile": "x"}})
+    out = launch.write_run(str(tmp_path / "runs" / "r1"), {"files": {"hostfile": "x"}})
     assert out["ok"] is False and "is a symbolic link" in out["error"] and list(victim.iterdir()) == []
-    assert dsc_node.links(tmp_path / "runs") == ["r1"]
+    assert probe.links(tmp_path / "runs") == ["r1"]
 
 
 def test_the_exit_code_is_recorded_on_a_disk_too_full_for_a_new_file(tmp_path, monkeypatch):
-    run = dsc_node.RunDir(tmp_path)
-    dsc_node.reserve_exit(run)
+    run = rundir.RunDir(tmp_path)
+    supervisor.reserve_exit(run)
 
     def full(path, text):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(dsc_node, "write_atomic", full)
-    dsc_node.record_exit(run, -9)
+    monkeypatch.setattr(supervisor, "write_atomic", full)
+    supervisor.record_exit(run, -9)
     assert (tmp_path / "exit_code").read_text() == "-9\n" and not (tmp_path / ".exit_code.reserve").exists()
-    assert dsc_node.status(tmp_path, "r-full")["exit_code"] == "-9"
+    assert records.status(tmp_path, "r-full")["exit_code"] == "-9"
 
 
 def test_run_files_are_never_read_through_a_planted_link(tmp_path):
@@ -555,10 +555,10 @@ def test_run_files_are_never_read_through_a_planted_link(tmp_path):
     (tmp_path / "launch.json").symlink_to(secret)
     (tmp_path / "launcher.pid").symlink_to(tmp_path / "pid")
     (tmp_path / "pid").write_text(f"{os.getpid()}\n")
-    assert dsc_node.read_json(tmp_path / "launch.json") is None
-    assert dsc_node.pid_alive(tmp_path / "launcher.pid") is None
+    assert rundir.read_json(tmp_path / "launch.json") is None
+    assert procs.pid_alive(tmp_path / "launcher.pid") is None
     (tmp_path / "real.json").write_text('{"a": 1}')
-    assert dsc_node.read_json(tmp_path / "real.json") == {"a": 1}
+    assert rundir.read_json(tmp_path / "real.json") == {"a": 1}
 
 
 @pytest.mark.parametrize("release,ufw_conf,comms,want", [
@@ -579,7 +579,7 @@ def test_the_probe_reads_the_running_firewall_from_files(tmp_path, release, ufw_
     for pid, comm in enumerate(comms, start=1):
         (tmp_path / "proc" / str(pid)).mkdir(parents=True)
         (tmp_path / "proc" / str(pid) / "comm").write_text(comm + "\n")
-    assert dsc_node.firewalls(tmp_path) == want
+    assert probe.firewalls(tmp_path) == want
 
 
 def test_a_secrets_file_is_kept_beside_its_run_goes_with_it_and_is_never_a_run(tmp_path):
@@ -592,19 +592,19 @@ def test_a_secrets_file_is_kept_beside_its_run_goes_with_it_and_is_never_a_run(t
         helper("write-secrets", root / run_id, stdin=json.dumps({"WANDB_API_KEY": "k-" + run_id}))
     assert oct((root / ".secrets" / "r1.json").stat().st_mode & 0o777) == "0o600"
     assert oct((root / ".secrets").stat().st_mode & 0o777) == "0o700"
-    listed = dsc_node.runs(root)
+    listed = records.runs(root)
     assert sorted(r["id"] for r in listed) == ["r1", "r2"] and all(r["secrets"] for r in listed)
-    assert [r["id"] for r in dsc_node.runs_table(root)] != [] and ".secrets" not in [r["id"] for r in dsc_node.runs_table(root)]
+    assert [r["id"] for r in records.runs_table(root)] != [] and ".secrets" not in [r["id"] for r in records.runs_table(root)]
     shutil.rmtree(root / "r1")
     (root / "r3").mkdir()
     helper("write-secrets", root / "r3", stdin=json.dumps({"WANDB_API_KEY": "k-r3"}))
     assert sorted(p.name for p in (root / ".secrets").iterdir()) == ["r2.json", "r3.json"]
     shutil.rmtree(root / "r2")
-    assert dsc_node.prune_secrets(root) == ["r2"]
-    assert [r["secrets"] for r in dsc_node.runs(root)] == [True]
+    assert rundir.prune_secrets(root) == ["r2"]
+    assert [r["secrets"] for r in records.runs(root)] == [True]
     os.unlink(root / ".secrets" / "r3.json")
     os.symlink("/etc/hostname", root / ".secrets" / "r3.json")  # planted: not a secrets file
-    assert [r["secrets"] for r in dsc_node.runs(root)] == [False]
+    assert [r["secrets"] for r in records.runs(root)] == [False]
 
 
 def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_it(tmp_path):
@@ -628,15 +628,15 @@ def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_
     owner, problem = dsc_plan.existing_owner("node1", py, out)
     assert problem is None and owner == ("root" if os.geteuid() == 0 else me)
     (env / "lib" / "python3.11" / "site-packages").chmod(0o775)
-    owner, problem = dsc_plan.existing_owner("node1", py, dsc_node.path_owners(py))
+    owner, problem = dsc_plan.existing_owner("node1", py, probe.path_owners(py))
     assert owner is None and f"{env}/lib/python3.11/site-packages is writable by group (mode 775" in problem
     (env / "lib" / "python3.11" / "site-packages").chmod(0o755)
     if os.geteuid() == 0:  # a user's env: run as that user only
         nobody = pwd.getpwnam("nobody")
         for d in (env, env / "bin"):
             os.chown(d, nobody.pw_uid, nobody.pw_gid)
-        assert dsc_plan.existing_owner("node1", py, dsc_node.path_owners(py)) == ("nobody", None)
-    assert "error" in dsc_node.path_owners(str(tmp_path / "none" / "bin" / "python"))
+        assert dsc_plan.existing_owner("node1", py, probe.path_owners(py)) == ("nobody", None)
+    assert "error" in probe.path_owners(str(tmp_path / "none" / "bin" / "python"))
 
 
 def test_each_rank_records_its_peak_after_its_first_steps_and_status_sets_it_against_the_prediction(tmp_path, monkeypatch):
@@ -663,8 +663,8 @@ def test_each_rank_records_its_peak_after_its_first_steps_and_status_sets_it_aga
         def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
             return None
     peaks = {0: 60 * gib, 1: 72 * gib}
-    monkeypatch.setattr(dsc_node, "peak_allocated", lambda engine: peaks[engine.global_rank])
-    watch = dsc_node.EngineWatch(run / "progress.jsonl", measured=run / "memory.jsonl")
+    monkeypatch.setattr(entry, "peak_allocated", lambda engine: peaks[engine.global_rank])
+    watch = entry.EngineWatch(run / "progress.jsonl", measured=run / "memory.jsonl")
     watch.patch(Engine)
     for rank in (0, 1):
         engine = Engine(rank)
@@ -673,19 +673,19 @@ def test_each_rank_records_its_peak_after_its_first_steps_and_status_sets_it_aga
     lines = [json.loads(x) for x in (run / "memory.jsonl").read_text().splitlines()]
     assert [(m["rank"], m["step"]) for m in lines] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
     assert all((m["preset"], m["micro_batch"]) == ("zero1", 16) for m in lines)
-    mem = dsc_node.status(run, "r1")["memory"]
+    mem = records.status(run, "r1")["memory"]
     assert (mem["predicted"], mem["measured"], mem["ratio"], mem["over"], mem["ranks"]) == (50 * gib, 72 * gib, 1.44, True, 2)
     assert mem["note"].startswith("measured 72.00 GiB per GPU against the predicted 50.00 GiB (x1.44): over the "
                                   "prediction by 44 %")
-    assert next(r for r in dsc_node.runs(tmp_path) if r["id"] == "r1")["memory"]["key"] == "k1"
+    assert next(r for r in records.runs(tmp_path) if r["id"] == "r1")["memory"]["key"] == "k1"
     # after a step down, the measured peaks of the earlier configuration are not this one's
     (run / "memory.json").write_text(json.dumps({"key": "k1", "preset": "zero2", "micro_batch": 8, "world": 2,
                                                  "predicted": 30 * gib}))
-    mem = dsc_node.status(run, "r1")["memory"]
+    mem = records.status(run, "r1")["memory"]
     assert mem["measured"] is None and mem["ratio"] is None and not mem["over"]
     # off the GPU nothing is recorded
     monkeypatch.undo()
-    assert dsc_node.peak_allocated(Engine(0)) is None or "torch" in sys.modules
+    assert entry.peak_allocated(Engine(0)) is None or "torch" in sys.modules
 
 
 def ladder(run, micro_batches=(16, 8, 4)):
@@ -722,22 +722,22 @@ def test_an_out_of_memory_error_in_the_first_steps_steps_down_preset_autos_ladde
     assert json.loads((run / "launch.json").read_text())["preset"] == "zero3"
     assert json.loads((run / "memory.json").read_text())["micro_batch"] == 4
     assert json.loads((run / "auto.json").read_text())["index"] == 2
-    st = dsc_node.status(run, "auto1")
+    st = records.status(run, "auto1")
     assert st["state"] == "finished" and st["restarts"] == 0 and len(st["step_downs"]) == 2
     assert "stepping down to zero2 micro-batch 8" in (run / "launcher.log").read_text()
 
 
 def test_no_step_down_for_another_error_a_run_past_its_first_steps_or_a_spent_ladder(tmp_path):
-    run = dsc_node.RunDir(tmp_path)
+    run = rundir.RunDir(tmp_path)
     ladder(tmp_path)
-    assert not dsc_node.step_down(run, [], None, 1)  # not out of memory
+    assert not supervisor.step_down(run, [], None, 1)  # not out of memory
     (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 4}) + "\n")
-    assert not dsc_node.step_down(run, [], "torch.OutOfMemoryError: CUDA out of memory", 1)  # trained already
+    assert not supervisor.step_down(run, [], "torch.OutOfMemoryError: CUDA out of memory", 1)  # trained already
     (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 2}) + "\n")
-    assert dsc_node.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
-    assert dsc_node.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
-    assert not dsc_node.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)  # spent
-    assert len(dsc_node.step_downs(tmp_path)) == 2
+    assert supervisor.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
+    assert supervisor.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
+    assert not supervisor.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)  # spent
+    assert len(records.step_downs(tmp_path)) == 2
     # a worker applies the step the supervisor sends it
     out = helper("step-down", tmp_path, 1)
     assert json.loads(out.stdout) == {"ok": True, "preset": "zero2", "micro_batch": 8}
@@ -786,7 +786,7 @@ def test_probe_reports_each_root_path_and_its_chain_with_links_never_followed(tm
 
 
 def test_root_paths_name_the_ssh_files_of_the_training_users_home():
-    paths = {e["path"]: e["var"] for e in dsc_node.root_paths("/opt/d/", "/opt/d/runs", "", "/home/u")}
+    paths = {e["path"]: e["var"] for e in probe.root_paths("/opt/d/", "/opt/d/runs", "", "/home/u")}
     assert paths["/opt/d"] == "dsc_install_root" and paths["/opt/d/runs"] == "dsc_run_root"
     assert {p for p, v in paths.items() if v == "dsc_train_user"} == {
         "/home/u/.ssh", "/home/u/.ssh/authorized_keys", "/home/u/.ssh/id_ed25519",
@@ -799,13 +799,13 @@ def test_a_total_only_where_the_run_knows_it_and_never_below_the_step(tmp_path):
     below the step is not the run's."""
     (tmp_path / "train.json").write_text(json.dumps({"steps": 20}))
     (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 600, "loss": 2.0}) + "\n")
-    assert dsc_node.status(tmp_path, "own")["total_steps"] is None
+    assert records.status(tmp_path, "own")["total_steps"] is None
     (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 600, "total_steps": 1000}) + "\n")
-    assert dsc_node.status(tmp_path, "own")["total_steps"] == 1000  # HF's Trainer said it
+    assert records.status(tmp_path, "own")["total_steps"] == 1000  # HF's Trainer said it
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 155, "total_steps": 800}) + "\n")
-    assert dsc_node.status(tmp_path, "train")["total_steps"] == 800
-    assert dsc_node.total_steps({"step": 30, "total_steps": 20}) is None
-    assert dsc_node.total_steps({"step": 20, "total_steps": 20}) == 20 and dsc_node.total_steps(None) is None
+    assert records.status(tmp_path, "train")["total_steps"] == 800
+    assert records.total_steps({"step": 30, "total_steps": 20}) is None
+    assert records.total_steps({"step": 20, "total_steps": 20}) == 20 and records.total_steps(None) is None
 
 
 class FakeEngine:
@@ -861,7 +861,7 @@ def trainer_callback_module():
 def test_the_entry_shim_logs_hf_trainers_total_and_the_pace_and_records_the_engines_zero_stage(tmp_path):
     class Engine(FakeEngine):
         pass
-    watch = dsc_node.EngineWatch(tmp_path / "progress.jsonl", every=0)
+    watch = entry.EngineWatch(tmp_path / "progress.jsonl", every=0)
     watch.patch(Engine)
     module = trainer_callback_module()
     watch.watch_trainer(module)
@@ -891,16 +891,16 @@ def test_the_config_shown_is_the_preset_only_where_the_preset_is_the_config(tmp_
     run = tmp_path / "r1"
     run.mkdir()
     (run / "launch.json").write_text(json.dumps({"preset": "zero2", "dsc_ds_config_mode": "preset"}))
-    assert dsc_node.status(run, "r1")["config"] == "preset zero2"
+    assert records.status(run, "r1")["config"] == "preset zero2"
     for mode in ("none", "hf", "file"):
         (run / "launch.json").write_text(json.dumps({"preset": "zero2", "dsc_ds_config_mode": mode}))
         (run / "engine.json").unlink(missing_ok=True)
-        assert dsc_node.status(run, "r1")["config"] == "its own ZeRO stage", mode
+        assert records.status(run, "r1")["config"] == "its own ZeRO stage", mode
         (run / "engine.json").write_text(json.dumps({"zero_stage": 3}))
-        assert dsc_node.status(run, "r1")["config"] == "ZeRO stage 3", mode
+        assert records.status(run, "r1")["config"] == "ZeRO stage 3", mode
     (run / "run_id").write_text("r1\n")
-    assert dsc_node.runs_table(tmp_path)[0]["config"] == "ZeRO stage 3"
-    assert dsc_node.config_label(dsc_node.RunDir(tmp_path / "none")) is None
+    assert records.runs_table(tmp_path)[0]["config"] == "ZeRO stage 3"
+    assert records.config_label(rundir.RunDir(tmp_path / "none")) is None
 
 
 def test_start_answers_with_the_config_the_launch_message_shows(tmp_path):
@@ -923,21 +923,21 @@ def test_a_stop_on_purpose_names_who_stopped_it(tmp_path):
     out = json.loads(helper("stop", "r1-not-running", "--grace", 0, "--run-dir", run, "--by", "stop.yml").stdout)
     assert out["left"] == 0 and (run / "stopped").read_text() == "stop.yml\n"
     (run / "exit_code").write_text("-15\n")  # what the supervisor records after the stop
-    st = dsc_node.status(run, "r1-not-running")
+    st = records.status(run, "r1-not-running")
     assert (st["state"], st["stopped_by"], st["last"]["step"]) == ("stopped", "stop.yml", 7)
     (run / "stopped").write_text("stopped\n")  # a marker that names no one (an earlier helper's)
-    assert dsc_node.status(run, "r1-not-running")["stopped_by"] is None
-    dsc_node.teardown("r1-not-running", ["node1"], str(run), by="a launch with replace=true (run r2)")
-    assert dsc_node.status(run, "r1-not-running")["stopped_by"] == "a launch with replace=true (run r2)"
+    assert records.status(run, "r1-not-running")["stopped_by"] is None
+    procs.teardown("r1-not-running", ["node1"], str(run), by="a launch with replace=true (run r2)")
+    assert records.status(run, "r1-not-running")["stopped_by"] == "a launch with replace=true (run r2)"
 
 
 def test_pdsh_gets_the_helpers_command_as_one_shell_line_each_argument_quoted(monkeypatch):
     """pdsh hands the other nodes' shells one line: a stop's --by with spaces and parentheses
     (a replacing launch's) must arrive as one argument, not as shell syntax."""
     seen = []
-    monkeypatch.setattr(dsc_node.subprocess, "run", lambda argv, **kw: seen.append(argv))
+    monkeypatch.setattr(procs.subprocess, "run", lambda argv, **kw: seen.append(argv))
     by = "a launch with replace=true (run r2)"
-    dsc_node.on_others(["node1", "node2", "node3"], "stop", "r1", "--grace", 5, "--by", by)
+    procs.on_others(["node1", "node2", "node3"], "stop", "r1", "--grace", 5, "--by", by)
     (argv,) = seen
     assert argv[:2] == ["pdsh", "-R"] and argv[argv.index("-w") + 1] == "node2,node3"
     assert shlex.split(argv[-1])[1:] == ["stop", "r1", "--grace", "5", "--by", by]
@@ -953,9 +953,9 @@ def test_follow_counts_every_nodes_ranks(tmp_path, monkeypatch):
         out = "".join(f"{n}: " + json.dumps({"state": "running", "ranks_alive": k}) + "\n"
                       for n, k in (("node2", 2), ("node3", 1)))
         return subprocess.CompletedProcess(cmd, 0, stdout=out + "node4: garbage\n", stderr="")
-    monkeypatch.setattr(dsc_node.subprocess, "run", pdsh)
+    monkeypatch.setattr(records.subprocess, "run", pdsh)
     own = {"state": "running", "ranks_alive": 1}
-    nodes = dsc_node.node_states(tmp_path, "r1", ["node1", "node2", "node3", "node4"], own)
+    nodes = records.node_states(tmp_path, "r1", ["node1", "node2", "node3", "node4"], own)
     assert nodes == {"node1": {"state": "running", "ranks_alive": 1}, "node2": {"state": "running", "ranks_alive": 2},
                      "node3": {"state": "running", "ranks_alive": 1},
                      "node4": {"state": "unreachable", "ranks_alive": 0}}
@@ -966,7 +966,7 @@ def test_follow_counts_every_nodes_ranks(tmp_path, monkeypatch):
 def test_the_log_tail_names_its_file_and_keeps_the_launchers_own_lines_apart(tmp_path):
     (tmp_path / "launcher.log").write_text("[INFO] cmd = pdsh -w node1,node2\nnode1: step 1\nnode2: step 1\n"
                                            "pdsh@node1: node2: ssh exited with exit code 255\n")
-    tail = dsc_node.log_tail(tmp_path, "r1", lines=5, hosts=["node1", "node2"])
+    tail = records.log_tail(tmp_path, "r1", lines=5, hosts=["node1", "node2"])
     assert tail["log"] == str(tmp_path / "launcher.log")
     assert tail["nodes"] == {"launcher": ["[INFO] cmd = pdsh -w node1,node2",
                                           "pdsh@node1: node2: ssh exited with exit code 255"],

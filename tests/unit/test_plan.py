@@ -17,6 +17,7 @@ import yaml
 
 import dsc_memory
 import dsc_plan
+from dscnode.rundir import secrets_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "roles" / "plan" / "meta" / "argument_specs.yml"
@@ -1243,7 +1244,7 @@ def test_directories_of_their_own_under_shared_roots_are_accepted(settings):
 
 
 def owned(py, owners=(), mode="0o755"):
-    """What the probe reports of an interpreter (dsc_node.path_owners): each directory above it
+    """What the probe reports of an interpreter (dscnode.probe.path_owners): each directory above it
     root's, then the ones named in `owners` ({path: (uid, user)}), every mode `mode`."""
     parts = py.split("/")[1:]
     chain = ["/"] + ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
@@ -1361,8 +1362,7 @@ def test_a_launch_records_its_secret_names_never_their_values():
 
 
 def test_the_plans_secrets_path_is_the_node_helpers():
-    helper = dsc_plan.node_helper(str(ROOT / "node" / "dsc_node.py"))
-    assert str(helper.secrets_file("/opt/dscluster/runs/r1")) == dsc_plan.secrets_path("/opt/dscluster/runs", "r1")
+    assert str(secrets_file("/opt/dscluster/runs/r1")) == dsc_plan.secrets_path("/opt/dscluster/runs", "r1")
 
 
 GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 24, "n_embd": 2048,

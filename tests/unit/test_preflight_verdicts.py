@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import dsc_node
+from dscnode import checks
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("preflight_filters", ROOT / "plugins" / "filter" / "preflight.py")
@@ -159,9 +159,9 @@ def test_a_stale_op_build_lock_fails_preflight_and_names_the_fix():
 
 def test_a_node_helper_others_can_write_fails_preflight():
     safe = {"uid": 0, "mode": "0o755", "safe": True}
-    assert preflight.owner_verdict({"/usr/local/lib/dscluster/dsc_node.py": safe})[0] == "PASS"
+    assert preflight.owner_verdict({"/usr/local/lib/dscluster/dsc_node.pyz": safe})[0] == "PASS"
     status, detail, fix = preflight.owner_verdict(
-        {"/usr/local/lib/dscluster/dsc_node.py": {"uid": 1000, "mode": "0o755", "safe": False}})
+        {"/usr/local/lib/dscluster/dsc_node.pyz": {"uid": 1000, "mode": "0o755", "safe": False}})
     assert status == "FAIL" and "owner uid 1000" in detail and "provision.yml" in fix
 
 
@@ -169,7 +169,7 @@ def test_owners_reads_uid_and_mode(tmp_path):
     f = tmp_path / "helper"
     f.write_text("")
     f.chmod(0o777)
-    got = dsc_node.owners([str(f), str(tmp_path / "missing")])
+    got = checks.owners([str(f), str(tmp_path / "missing")])
     assert got[str(f)]["mode"] == "0o777" and got[str(f)]["safe"] is False
     assert got[str(tmp_path / "missing")]["safe"] is False
 

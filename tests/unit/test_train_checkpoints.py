@@ -5,18 +5,14 @@ Pure Python (no torch): train/__init__.py is empty and train/checkpoints.py impo
 """
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
+from dscnode import records
 from train import checkpoints
 from train.checkpoints import (BYTES_PER_PARAM, COMPLETE, MARGIN, fsync_tree, latest_complete,
                                mark_complete, needed_bytes, prune, scan, space_problem, to_prune,
                                tree_size)
-
-HELPER = Path(__file__).resolve().parents[2] / "node" / "dsc_node.py"
-sys.path.insert(0, str(HELPER.parent))
-import dsc_node  # noqa: E402
 
 GIB = 2**30
 
@@ -160,8 +156,9 @@ def test_the_space_error_names_node_path_sizes_and_fix():
 
 
 def test_the_space_error_is_what_the_node_helper_shows_as_first_error(tmp_path):
-    """node/dsc_node.py's first_error takes the first exception line of the launcher log, as pdsh
-    prefixes it with the node: the whole message survives its 400-character cut."""
+    """The node helper's first_error (dscnode.records) takes the first exception line of the
+    launcher log, as pdsh prefixes it with the node: the whole message survives its 400-character
+    cut."""
     msg = space_problem("step400", "/var/lib/dsc/runs/20240101-120000-abcdef/checkpoints", "node2",
                         free=int(0.3 * GIB), needed=int(1.2 * GIB), keep=3)
     log = tmp_path / "launcher.log"
@@ -171,7 +168,7 @@ def test_the_space_error_is_what_the_node_helper_shows_as_first_error(tmp_path):
                    f"node2: RuntimeError: {msg}\n"
                    f"node1: RuntimeError: {msg}\n"
                    "node2: [launch.py] exits with return code = 1\n")
-    error, trace = dsc_node.first_error(log)
+    error, trace = records.first_error(log)
     assert error == f"node2: RuntimeError: {msg}"
     assert trace[0].endswith("Traceback (most recent call last):")
 

@@ -1,0 +1,28 @@
+"""The node helper: everything the playbooks ask of a node, standard library only (Python 3.10+).
+
+The nodes run it as one file built from this package (build.py): dsc_node.pyz, installed
+root-owned at INSTALLED_PATH by provision.yml and pushed as it is for the probe before anything is
+installed. The node's system python3 runs every action (cli.py); each rank's env python runs the
+entry shim (entry.py), which imports rundir.py and nothing else of the package.
+
+    rundir.py      the run directory's layout (RunDir), its secrets, atomic writes, reads that follow no link
+    entry.py       the entry shim: the run's secrets, DeepSpeed's engine watched, the user's script
+    procs.py       a run's processes (found, signalled, stopped), pid files, op-build locks
+    records.py     what a run recorded: status, runs table, history, log tail, memory, step downs
+    probe.py       what the plan needs from a node, read-only
+    checks.py      preflight's node checks, the ssh mesh, the master port held and reached
+    launch.py      write-run and start (under the run root's lock)
+    supervisor.py  the detached supervisor: watch, tear down, restart, step down, record the exit
+    cli.py         the command line: one sub-command per action, each printing one JSON object
+    build.py       the built file (on the control node; not part of it)
+"""
+import os
+
+# Where provision.yml installs the built helper on every node (root-owned; the plan reads it from here).
+INSTALLED_PATH = "/usr/local/lib/dscluster/dsc_node.pyz"
+
+
+def program():
+    """The file this helper runs from, the built one that holds this package (at INSTALLED_PATH on
+    a node): what pdsh runs on the run's other nodes."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,256 @@
+"""The node helper's command line. Installed by provision.yml on every node at
+/usr/local/lib/dscluster/dsc_node.pyz (root-owned, built from this package) and run under the
+node's system python3; `probe` also runs before provisioning (Ansible's script module pushes the
+built file). Every command prints one JSON object.
+
+    dsc_node.pyz probe [--run-root DIR]        # GPUs, interfaces, InfiniBand, CPUs, runs (the plan's input)
+    dsc_node.pyz check                         # preflight: env, versions, names, disk, ports, firewall
+                                               #   (arguments as JSON in $DSC_PREFLIGHT, as for the three below)
+    dsc_node.pyz mesh                          # from the master, as the training user: ssh to every node, clocks
+    dsc_node.pyz listen | connect              # hold / reach the master port (preflight's TCP check)
+    dsc_node.pyz write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
+    dsc_node.pyz start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
+                       [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
+                       [--stall-s S] [--stall-fail] -- CMD...
+                                               # under a lock: refuse (or replace) an active run, take the
+                                               # first free master port (--port: the one the master took,
+                                               # no_ssh mode's other nodes), detach a supervisor that runs CMD,
+                                               # tears the run down everywhere when a node fails and
+                                               # restarts it from its checkpoint (opt-in)
+    dsc_node.pyz procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
+    dsc_node.pyz stop RUN_ID [--grace S] [--run-dir DIR [--by WHO]] [--ext-dir DIR]
+                                               # mark the run stopped (by WHO), TERM, then KILL after
+                                               # S seconds
+    dsc_node.pyz status RUN_DIR RUN_ID [--hosts H1,H2]
+                                               # state, ranks alive, last metrics, first error
+                                               # (with --hosts: every node's state and ranks, via pdsh)
+    dsc_node.pyz write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
+    dsc_node.pyz step-down RUN_DIR INDEX       # preset=auto's ladder step INDEX becomes the run's config
+    dsc_node.pyz files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
+    dsc_node.pyz log RUN_DIR RUN_ID [--lines N] [--hosts H1,H2]
+                                               # the log's last N lines per node, its raw tail, the state
+    dsc_node.pyz history RUN_DIR               # every logged step (metrics or progress), for plots
+    dsc_node.pyz runs RUN_ROOT                 # every run, newest first, with its state (runs.yml)
+    dsc_node.pyz free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
+    dsc_node.pyz active RUN_ROOT               # the run whose supervisor is alive, if any
+    dsc_node.pyz write-secrets RUN_DIR         # stdin {NAME: value}: the run's secrets, 0600, outside the run dir
+    dsc_node.pyz entry --script FILE | --module NAME [ARGS...]
+                                               # each rank: the run's secrets into the environment,
+                                               # DeepSpeed's engine watched for progress, then the
+                                               # user's script or module in this process
+
+Each action imports its own modules when it runs: every rank starts through `entry`, which loads
+the shim alone (entry.py), without argparse or the rest of the package.
+"""
+import json
+import os
+import sys
+
+PROG = "dsc_node.pyz"
+
+
+def main(argv):
+    # What the toolkit writes on a node (run files, logs, checkpoints: every rank starts through
+    # this helper's entry shim) is the training user's and root's alone on a shared machine.
+    os.umask(0o027)
+    # DeepSpeed's launcher: `python -u dsc_node.pyz --local_rank=N entry ...` (unless --no_local_rank)
+    local_rank = argv[:1] if argv and argv[0].startswith("--local_rank=") else []
+    argv = argv[len(local_rank):]
+    if argv[:1] == ["entry"]:  # its arguments are the user's program's: the shim reads them itself
+        from dscnode.entry import entry
+        return entry(argv[1:], local_rank)
+    if not argv:
+        print(__doc__)
+        return 2
+    from dscnode.procs import Blind
+    cmd = None
+    if argv[0] == "start" and "--" in argv:  # its command as it is, options and all (the launcher's)
+        argv, cmd = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    args = parser().parse_args(argv)
+    args.cmd = cmd
+    try:
+        return args.run(args) or 0
+    except Blind as e:
+        print(json.dumps({"error": str(e)}))
+        return 5
+
+
+def parser():
+    """Every action's arguments as the roles and the supervisor pass them; each action's function
+    (below) prints its JSON and returns the exit code (None: 0)."""
+    import argparse
+    top = argparse.ArgumentParser(prog=PROG, description=__doc__, allow_abbrev=False,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = top.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def action(name, run, summary):
+        sub = actions.add_parser(name, help=summary, description=summary, allow_abbrev=False)
+        sub.set_defaults(run=run)
+        return sub
+
+    p = action("probe", _probe, "what the plan needs from this node (read-only)")
+    for option in ("--run-root", "--install-root", "--data-dir", "--train-user", "--existing-python"):
+        p.add_argument(option, default="")
+    for name in ("check", "mesh", "listen", "connect"):
+        action(name, _preflight, f"preflight's {name} (arguments as JSON in $DSC_PREFLIGHT)")
+    p = action("write-run", _write_run, "stdin {files, code, code_dest}: the run's files and code")
+    p.add_argument("run_dir")
+    p.add_argument("--resume", action="store_true")
+    p = action("start", _start, "under the run root's lock: take a master port, detach a supervisor "
+                             "that runs the command after --")
+    p.add_argument("run_dir")
+    p.add_argument("run_id")
+    p.add_argument("--run-root", required=True)
+    ports = p.add_mutually_exclusive_group(required=True)
+    ports.add_argument("--ports", nargs=2, type=int, metavar=("FIRST", "LAST"))
+    ports.add_argument("--port", type=int)
+    p.add_argument("--replace", action="store_true")
+    p.add_argument("--hosts", default="")
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--backoff", type=float, default=10.0)
+    p.add_argument("--resume-args", default='["--resume"]')
+    p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--stall-fail", action="store_true")
+    p = action("procs", _procs, "the processes that carry DSC_RUN_ID=RUN_ID")
+    p.add_argument("run_id")
+    p = action("stop", _stop, "mark the run stopped, TERM its processes, KILL them after the grace")
+    p.add_argument("run_id")
+    p.add_argument("--grace", type=float, default=15.0)
+    p.add_argument("--run-dir")
+    p.add_argument("--ext-dir")
+    p.add_argument("--by")
+    p = action("status", _status, "the run's state on this node (with --hosts: every node's)")
+    p.add_argument("run_dir")
+    p.add_argument("run_id")
+    p.add_argument("--hosts", default="")
+    p = action("write-exit", _write_exit, "the run's exit code, recorded on a worker")
+    p.add_argument("run_dir")
+    p.add_argument("code", type=int)
+    p = action("step-down", _step_down, "preset=auto's ladder step INDEX becomes the run's config")
+    p.add_argument("run_dir")
+    p.add_argument("index", type=int)
+    p = action("files", _files, "the run's files but its code and checkpoints")
+    p.add_argument("run_dir")
+    p = action("log", _log, "the log's last lines per node, its raw tail, the state")
+    p.add_argument("run_dir")
+    p.add_argument("run_id")
+    p.add_argument("--lines", type=int, default=20)
+    p.add_argument("--hosts", default="")
+    p = action("history", _history, "every logged step of the run")
+    p.add_argument("run_dir")
+    p = action("runs", _runs, "every run under the run root, newest first")
+    p.add_argument("run_root")
+    p = action("free-port", _free_port, "the first port nobody listens on (exit 3 if none)")
+    p.add_argument("first", type=int)
+    p.add_argument("last", type=int)
+    p = action("active", _active, "the run whose supervisor is alive, if any")
+    p.add_argument("run_root")
+    p = action("write-secrets", _write_secrets, "stdin {NAME: value}: the run's secrets, 0600, beside it")
+    p.add_argument("run_dir")
+    action("entry", None, "each rank: --script FILE | --module NAME [ARGS...] (read by the shim itself)")
+    return top
+
+
+def hosts(text):
+    return [h for h in text.split(",") if h]
+
+
+def _probe(a):
+    from dscnode.probe import probe
+    print(json.dumps(probe(run_root=a.run_root, existing=a.existing_python, install_root=a.install_root,
+                           data_dir=a.data_dir, train_user=a.train_user)))
+
+
+def _preflight(a):
+    from dscnode import checks
+    run = {"check": checks.check, "mesh": checks.mesh, "listen": checks.listen, "connect": checks.connect}
+    print(json.dumps(run[a.action](json.loads(os.environ.get("DSC_PREFLIGHT", "{}")))))
+
+
+def _write_run(a):
+    from dscnode.launch import write_run
+    result = write_run(a.run_dir, json.load(sys.stdin), resume=a.resume)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 4
+
+
+def _start(a):
+    from dscnode.launch import start
+    if not a.cmd:
+        print(f"{PROG} start: the command to run comes after --", file=sys.stderr)
+        return 2
+    return start(a.run_dir, a.run_id, a.cmd, a.run_root, tuple(a.ports) if a.ports else None,
+                 replace=a.replace, hosts=hosts(a.hosts), max_restarts=a.max_restarts,
+                 backoff=a.backoff, resume_args=json.loads(a.resume_args),
+                 stall={"timeout_s": a.stall_s, "fail": a.stall_fail}, port=a.port)
+
+
+def _procs(a):
+    from dscnode.procs import procs
+    print(json.dumps(procs(a.run_id)))
+
+
+def _stop(a):
+    from dscnode.procs import stop
+    print(json.dumps(stop(a.run_id, a.grace, a.run_dir, a.ext_dir, a.by)))
+
+
+def _status(a):
+    from dscnode.records import node_states, status
+    st = status(a.run_dir, a.run_id)
+    if a.hosts:
+        st["nodes"] = node_states(a.run_dir, a.run_id, a.hosts.split(","), st)
+    print(json.dumps(st))
+
+
+def _write_exit(a):
+    """The supervisor's record of how the run ended, on a worker."""
+    from dscnode.rundir import RunDir, write_atomic
+    if os.path.isdir(a.run_dir):
+        write_atomic(RunDir(a.run_dir) / RunDir.EXIT, f"{a.code}\n")
+
+
+def _step_down(a):
+    """preset=auto's next configuration, on a worker (the supervisor's)."""
+    from dscnode.supervisor import apply_step
+    if os.path.isdir(a.run_dir):
+        print(json.dumps(apply_step(a.run_dir, a.index)))
+
+
+def _files(a):
+    from dscnode.records import run_files
+    print(json.dumps(run_files(a.run_dir)))
+
+
+def _log(a):
+    from dscnode.records import log_tail
+    print(json.dumps(log_tail(a.run_dir, a.run_id, a.lines, hosts(a.hosts))))
+
+
+def _history(a):
+    from dscnode.records import history
+    print(json.dumps(history(a.run_dir)))
+
+
+def _runs(a):
+    from dscnode.records import runs_table
+    print(json.dumps(runs_table(a.run_root)))
+
+
+def _free_port(a):
+    from dscnode.checks import free_port
+    port = free_port(a.first, a.last)
+    if port is None:
+        print(f"every master port from {a.first} to {a.last} is in use", file=sys.stderr)
+        return 3
+    print(port)
+
+
+def _active(a):
+    from dscnode.procs import active
+    print(json.dumps(active(a.run_root)))
+
+
+def _write_secrets(a):
+    from dscnode.rundir import write_secrets
+    print(json.dumps(write_secrets(a.run_dir, json.load(sys.stdin))))

@@ -1,0 +1,265 @@
+"""The entry shim: every rank of a run starts as
+
+    <env python> -u dsc_node.pyz [--local_rank=N] entry --script FILE | --module NAME [ARGS...]
+
+and runs here, under the training env's python: the run's secrets into its environment,
+DeepSpeed's engine watched for progress (EngineWatch, through an import hook), then the user's
+script or module in this process. It imports rundir.py and the standard library, nothing else of
+the package: its import cost is every rank's."""
+import atexit
+import importlib.util
+import json
+import os
+import runpy
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dscnode.rundir import RunDir, secrets_file, write_atomic
+
+
+class EngineWatch:
+    """What every rank's DeepSpeed engine does for the toolkit, whatever script drives it:
+    - progress: each optimizer step, as global rank 0 sees it, appended to the run's
+      progress.jsonl at most every `every` seconds: step, loss (the mean over the micro-batches
+      since the last line), lr, samples, samples/s, the mean step time since the last line and,
+      where the script's trainer says it, the total steps. The loss is read (.item(), a device
+      sync) only when a line is written.
+    - the run's total: DeepSpeed's engine has none, and scripts' own arguments mean what each
+      script makes them mean, so the total is read only where it is unambiguous: HF's Trainer
+      (run_clm.py, run_mlm.py, ...) sets state.max_steps, in optimizer steps as the engine counts
+      them (from --max_steps, or the epochs times the batches per epoch), before it calls its
+      callbacks' on_train_begin (watch_trainer). Any other script logs no total.
+    - the engine's configuration: global rank 0 writes engine.json (its ZeRO stage) once the
+      engine is initialised, whatever chose it (a preset, the user's file, HF's Trainer, the
+      script's own config).
+    - node-local checkpoints: with checkpoint.use_node_local_storage (run directories are per
+      node) DeepSpeed has each node's local rank 0 save the shared state, but writes the
+      `latest` tag on global rank 0 only, so load_checkpoint(tag=None) - HF's Trainer and
+      accelerate resume that way - fails on every other node. Their local rank 0 writes it too.
+    Applied when deepspeed.runtime.engine is imported (AfterImport), whoever imports it (the
+    script, HF's Trainer, accelerate)."""
+
+    MEASURE_STEPS = 3  # each rank's peak is recorded after each of its first optimizer steps
+
+    def __init__(self, path, every=2.0, measured=None):
+        self.path, self.every = Path(path), every
+        self.measured = Path(measured) if measured else None
+        try:
+            self.config = json.loads((self.path.parent / RunDir.MEMORY).read_text())
+        except (OSError, ValueError):
+            self.config = {}
+        self.loss, self.micro = None, 0
+        self.step = self.written_step = 0
+        self.time, self.samples = time.time(), 0
+        self.engine = None
+        self.total_steps = None  # where the script's trainer says it (watch_trainer)
+
+    def __call__(self, module):
+        self.patch(module.DeepSpeedEngine)
+
+    def watch_trainer(self, module):
+        """transformers.trainer_callback: the total steps HF's Trainer has set when it starts
+        training (a resumed run's too: the Trainer sets it again after loading its state)."""
+        handler, hook = module.CallbackHandler, self
+        begin = handler.on_train_begin
+
+        def on_train_begin(callbacks, args, state, control):
+            max_steps = getattr(state, "max_steps", None)
+            if isinstance(max_steps, int) and max_steps > 0:
+                hook.total_steps = max_steps
+            return begin(callbacks, args, state, control)
+        handler.on_train_begin = on_train_begin
+
+    def patch(self, engine_class):
+        init, backward, step, save, hook = (engine_class.__init__, engine_class.backward, engine_class.step,
+                                            engine_class.save_checkpoint, self)
+
+        def reporting_init(engine, *args, **kwargs):
+            init(engine, *args, **kwargs)
+            if getattr(engine, "global_rank", None) == 0:
+                hook.record_engine(engine)
+
+        def watched_backward(engine, loss, *args, **kwargs):
+            if engine.global_rank == 0 and hasattr(loss, "detach"):
+                value = loss.detach().float()
+                hook.loss = value if hook.loss is None else hook.loss + value
+                hook.micro += 1
+            return backward(engine, loss, *args, **kwargs)
+
+        def watched_step(engine, *args, **kwargs):
+            out = step(engine, *args, **kwargs)
+            if hook.measured and 0 < engine.global_steps <= hook.MEASURE_STEPS:
+                hook.record_peak(engine)
+            if engine.global_rank == 0 and engine.global_steps != hook.step:
+                hook.step, hook.engine = engine.global_steps, engine
+                if time.time() - hook.time >= hook.every or hook.written_step == 0:
+                    hook.write()
+            return out
+        def node_local_save(engine, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006
+            tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            out = save(engine, save_dir, tag, client_state, save_latest, **kwargs)
+            if save_latest and engine.use_node_local_storage() and engine.local_rank == 0 \
+                    and engine.global_rank != 0:
+                write_atomic(Path(save_dir) / "latest", str(tag))
+            return out
+        engine_class.__init__ = reporting_init
+        engine_class.backward, engine_class.step = watched_backward, watched_step
+        engine_class.save_checkpoint = node_local_save
+        atexit.register(lambda: self.step != self.written_step and self.write())
+
+    def record_engine(self, engine):
+        """engine.json: the ZeRO stage the engine runs with (status and runs.yml show it where
+        the toolkit's preset is not the run's config); nothing where the engine cannot say."""
+        try:
+            record = {"zero_stage": int(engine.zero_optimization_stage()), "time": round(time.time(), 3)}
+            write_atomic(self.path.parent / RunDir.ENGINE, json.dumps(record) + "\n")
+        except Exception:  # noqa: BLE001 - a record, never a rank's failure
+            pass
+
+    def record_peak(self, engine):
+        """This rank's torch.cuda.max_memory_allocated() so far, a line of memory.jsonl with the
+        configuration it ran (memory.json's preset and micro-batch); nothing off the GPU."""
+        peak = peak_allocated(engine)
+        if peak is None:
+            return
+        line = {"rank": int(getattr(engine, "global_rank", 0)), "host": socket.gethostname(),
+                "step": int(engine.global_steps), "max_allocated": int(peak),
+                "preset": self.config.get("preset"), "micro_batch": self.config.get("micro_batch"),
+                "time": round(time.time(), 3)}
+        try:
+            with open(self.measured, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:
+            pass
+
+    def write(self):
+        engine, now = self.engine, time.time()
+        try:
+            lr = float(engine.get_lr()[0])
+        except Exception:  # noqa: BLE001 - no scheduler or optimizer yet: no lr
+            lr = None
+        loss = float(self.loss.item()) / self.micro if self.micro else None
+        samples = int(getattr(engine, "global_samples", 0) or 0)
+        # Rates over the steps since the last line (the first line's interval holds start-up).
+        since = bool(self.written_step) and now > self.time and self.step > self.written_step
+        rate = (samples - self.samples) / (now - self.time) if since else None
+        step_time = (now - self.time) / (self.step - self.written_step) if since else None
+        line = {"step": self.step, "loss": None if loss is None else round(loss, 6), "lr": lr,
+                "samples": samples, "samples_per_s": None if rate is None else round(rate, 2),
+                "step_time_s": None if step_time is None else round(step_time, 4),
+                "time": round(now, 3)}
+        if self.total_steps:
+            line["total_steps"] = self.total_steps
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.loss, self.micro, self.written_step = None, 0, self.step
+        self.time, self.samples = now, samples
+
+
+def peak_allocated(engine):
+    """torch.cuda.max_memory_allocated() of the engine's device, None off CUDA."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.max_memory_allocated(getattr(engine, "device", None)))
+    except Exception:  # noqa: BLE001 - a record, never a rank's failure
+        return None
+
+
+class AfterImport:
+    """A meta path finder that calls fn(module) right after a module's first import, whoever
+    imports it: {module name: fn}."""
+
+    def __init__(self, patches):
+        self.patches = dict(patches)
+
+    def find_spec(self, name, path=None, target=None):
+        fn = self.patches.pop(name, None)
+        if fn is None:
+            return None
+        spec = importlib.util.find_spec(name)  # the other finders' (this one no longer has it)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            fn(module)
+        spec.loader.exec_module = patched
+        return spec
+
+
+def accelerate_on_cpu(module):
+    """accelerate (1.15) chooses a process-group backend for GPU-like devices only: under
+    DeepSpeed's launcher on CPU nodes (DS_ACCELERATOR=cpu, gloo) it gets none and counts one
+    process while DeepSpeed has the whole world, so HF's "auto" batch and every gather are wrong
+    ("invalid output tensor list ... expected length 2, got 1"). It gets accelerate's own CPU
+    path (multi-CPU over gloo) instead; on GPU nodes nothing changes."""
+    state = module.PartialState
+    prepare = state._prepare_backend
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, kind = prepare(self, cpu, sagemaker_dp, backend)
+        if chosen is None and kind in (None, module.DistributedType.NO) and not cpu \
+                and os.environ.get("DS_ACCELERATOR") == "cpu" \
+                and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", module.DistributedType.MULTI_CPU
+        return chosen, kind
+    state._prepare_backend = prepare_backend
+
+
+def entry(args, local_rank=()):
+    """A rank: the run's secrets into this process's environment (they never pass a command
+    line), the progress hook, then the user's script or module run here as `python FILE` or
+    `python -m NAME` would (sys.argv, sys.path[0], __main__). DeepSpeed's launcher puts
+    --local_rank=N right after the program (this helper): it goes back right after the user's."""
+    if len(args) < 2 or args[0] not in ("--script", "--module"):
+        print("usage: dsc_node.pyz entry --script FILE | --module NAME [ARGS...]", file=sys.stderr)
+        return 2
+    kind, target, rest = args[0], args[1], args[2:]
+    run_dir = os.environ.get("DSC_RUN_DIR")
+    if run_dir and os.environ.pop("DSC_SECRETS", "") == "1":
+        try:
+            os.environ.update(json.loads(secrets_file(run_dir).read_text()))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
+                             f"be read: {e}. Fix: resume with dsc_secrets given again (resume.yml "
+                             f"writes them anew on every node).") from None
+    patches = {"accelerate.state": accelerate_on_cpu}
+    if run_dir:
+        watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED)
+        patches["deepspeed.runtime.engine"] = watch
+        patches["transformers.trainer_callback"] = watch.watch_trainer
+        (RunDir(run_dir) / RunDir.RANKS_STARTED).touch()
+    sys.meta_path.insert(0, AfterImport(patches))
+    sys.argv = [target] + list(local_rank) + rest
+    try:
+        if kind == "--module":
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    leave_finished()
+
+
+def leave_finished():
+    """The script has finished: what Python's own exit does before finalization (wait for the
+    non-daemon threads, run the atexit handlers, flush), then exit 0 without the finalization.
+    gloo's worker threads can abort it after a finished run ("terminate called without an active
+    exception", pytorch/pytorch#179291): the launcher would then fail a run that is done."""
+    threading._shutdown()  # what Py_Finalize calls first; joins the non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)

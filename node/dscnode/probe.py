@@ -1,0 +1,203 @@
+"""What the plan needs from a node, fast (no Python env, no torch) and read-only: GPUs,
+interfaces, InfiniBand, CPUs, the runs, the firewall, the installed helper's sha256 and every path
+root creates or writes into, each read with lstat. Ansible's script module pushes the built file
+and runs it before anything is installed (roles/plan)."""
+import glob
+import hashlib
+import os
+import pwd
+import re
+import socket
+import stat as stat_mod
+from pathlib import Path
+
+from dscnode import INSTALLED_PATH
+from dscnode.procs import run
+from dscnode.records import runs
+
+
+def sha256(path):
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def interfaces():
+    """{name: [ipv4 addresses]} from iproute2, else names only (addresses unknown: None)."""
+    rc, out, _ = run(["ip", "-o", "-4", "addr", "show"])
+    if rc == 0:
+        found = {name: [] for _, name in socket.if_nameindex()}
+        for line in out.splitlines():
+            m = re.match(r"^\d+:\s+(\S+)\s+inet\s+([\d.]+)/", line)
+            if m:
+                found.setdefault(m.group(1), []).append(m.group(2))
+        return found
+    return {name: None for _, name in socket.if_nameindex()}
+
+
+def gpus():
+    rc, out, _ = run(["nvidia-smi", "--query-gpu=index,compute_cap,driver_version,memory.total",
+                      "--format=csv,noheader,nounits"], timeout=30)
+    if rc != 0:
+        return []
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    return [{"index": r[0], "compute_cap": r[1], "driver": r[2],
+             "memory_mib": int(r[3]) if len(r) > 3 and r[3].isdigit() else None}
+            for r in rows if len(r) >= 3]
+
+
+def root_paths(install_root, run_root, data_dir, home):
+    """Every path that root creates, changes or writes into on a node (provision, launch; stop
+    and status only read), the one list the plan checks: [{var, path, role}]. role "root": root's
+    alone (owner root, every directory above root's); "made": created by root for the training
+    user (the install root: owner root or the training user, every directory above root's);
+    "user": the training user's (written as that user; owner the training user or root)."""
+    install_root = install_root.rstrip("/") or "/"
+    cache = f"{install_root}/cache"
+    out = [{"var": "node helper", "path": os.path.dirname(INSTALLED_PATH), "role": "root"},
+           {"var": "node helper", "path": INSTALLED_PATH, "role": "root"},
+           {"var": "dsc_install_root", "path": install_root, "role": "made"}]
+    out += [{"var": "dsc_install_root", "path": p, "role": "user"} for p in (
+        cache, f"{cache}/torch_extensions", f"{cache}/miniconda-installer.sh",
+        f"{install_root}/wheelhouse", f"{install_root}/lock-wheels.txt",
+        f"{install_root}/lock-sdists.txt", f"{install_root}/ds_report.txt")]
+    if run_root:
+        out.append({"var": "dsc_run_root", "path": run_root.rstrip("/") or "/", "role": "user"})
+    if data_dir:
+        out.append({"var": "dsc_data_dir", "path": data_dir.rstrip("/") or "/", "role": "user"})
+    if home:
+        out += [{"var": "dsc_train_user", "path": p, "role": "user"} for p in (
+            f"{home}/.ssh", f"{home}/.ssh/authorized_keys", f"{home}/.ssh/id_ed25519",
+            f"{home}/.ssh/known_hosts", f"{home}/.ssh/config")]
+    return out
+
+
+def path_chain(path):
+    """lstat of a path and of every directory above it, "/" first (a link is reported with its
+    target, never followed): [{path, kind, uid, user, mode, target}]; a missing one has kind
+    "missing", and the chain stops there."""
+    parts = [p for p in path.split("/") if p]
+    out = []
+    for i in range(len(parts) + 1):
+        p = "/" + "/".join(parts[:i])
+        try:
+            st = os.lstat(p)
+        except OSError:
+            out.append({"path": p, "kind": "missing"})
+            break
+        kind = ("link" if stat_mod.S_ISLNK(st.st_mode) else "dir" if stat_mod.S_ISDIR(st.st_mode)
+                else "file" if stat_mod.S_ISREG(st.st_mode) else "other")
+        try:
+            user = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            user = str(st.st_uid)
+        entry = {"path": p, "kind": kind, "uid": st.st_uid, "user": user, "mode": oct(st.st_mode & 0o7777)}
+        if kind == "link":
+            try:
+                entry["target"] = os.readlink(p)
+            except OSError:
+                entry["target"] = "?"
+        out.append(entry)
+        if kind != "dir":
+            break
+    return out
+
+
+def root_path_report(install_root, run_root, data_dir, train_user):
+    """root_paths with each one's chain (path_chain), for the plan to refuse before any change."""
+    try:
+        home = pwd.getpwnam(train_user).pw_dir if train_user else ""
+    except KeyError:
+        home = ""  # not created yet: provision makes the home, as root, in root's /home
+    return [dict(e, chain=path_chain(e["path"])) for e in root_paths(install_root, run_root, data_dir, home)]
+
+
+def probe(run_root="", existing="", install_root="", data_dir="", train_user=""):
+    """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
+    ib = Path("/sys/class/infiniband")
+    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "gpus": gpus(),
+            "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
+            "runs": runs(run_root) if run_root else [],
+            "run_root_links": links(run_root) if run_root else [],
+            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(),
+            **({"existing_python": path_owners(existing)} if existing else {}),
+            **({"root_paths": root_path_report(install_root, run_root, data_dir,
+                                               train_user)} if install_root else {})}
+
+
+def path_owners(path):
+    """Who owns an interpreter that root may run, and who may write it: owner and mode of the
+    path and of every directory above it, as written and as resolved (a venv's bin/python is a
+    link to its base interpreter), and of the env's lib/python3* and site-packages directories
+    (what it imports). Each read with lstat (a link is reported, never followed by the read
+    itself); the resolved path is read component by component as os.path.realpath gives it.
+    {"path", "entries": [{path, uid, user, mode, kind}]} or {"path", "error"}."""
+    if not os.path.isabs(path) or "\0" in path:
+        return {"path": path, "error": "not an absolute path"}
+    real = os.path.realpath(path)
+    if not os.path.isfile(real):
+        return {"path": path, "error": f"{real} is not a file"}
+    names = {}
+
+    def user(uid):
+        if uid not in names:
+            try:
+                names[uid] = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                names[uid] = str(uid)
+        return names[uid]
+
+    chains = []
+    for p in (os.path.normpath(path), real):
+        parts = p.split("/")[1:]
+        chains += ["/"] + ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
+    prefix = os.path.dirname(os.path.dirname(real))
+    lexical_prefix = os.path.dirname(os.path.dirname(os.path.normpath(path)))
+    for base in dict.fromkeys((lexical_prefix, prefix)):
+        for lib in sorted(glob.glob(os.path.join(glob.escape(base), "lib", "python3*")))[:8]:
+            chains += [os.path.join(base, "lib"), lib]
+            chains += sorted(glob.glob(os.path.join(glob.escape(lib), "site-packages")))
+    entries = []
+    for p in dict.fromkeys(chains):
+        try:
+            st = os.lstat(p)
+        except OSError as e:
+            entries.append({"path": p, "error": e.strerror})
+            continue
+        kind = ("link" if stat_mod.S_ISLNK(st.st_mode) else "dir" if stat_mod.S_ISDIR(st.st_mode)
+                else "file")
+        entries.append({"path": p, "uid": st.st_uid, "user": user(st.st_uid),
+                        "mode": oct(st.st_mode & 0o7777), "kind": kind})
+    return {"path": path, "entries": entries}
+
+
+def firewalls(root="/"):
+    """Which host firewall runs, read from files (no firewall-cmd or ufw call: every playbook
+    probes): ufw enabled in /etc/ufw/ufw.conf, a firewalld process; and the OS's ids from
+    /etc/os-release (ID, then ID_LIKE), from which the plan takes cluster_network_firewall_backend
+    auto. `root`: where those paths are (/ on a node)."""
+    root = Path(root)
+
+    def read(path):
+        try:
+            return (root / path).read_text(errors="replace")
+        except OSError:
+            return ""
+    release = dict(line.split("=", 1) for line in read("etc/os-release").splitlines() if "=" in line)
+    ids = " ".join(release.get(k, "").strip().strip('"\'') for k in ("ID", "ID_LIKE")).split()
+    ufw = re.search(r"^\s*ENABLED\s*=\s*yes\s*$", read("etc/ufw/ufw.conf"), re.M | re.I) is not None
+    try:
+        pids = [p for p in os.listdir(root / "proc") if p.isdigit()]
+    except OSError:
+        pids = []
+    firewalld = any(read(f"proc/{pid}/comm").strip() == "firewalld" for pid in pids)
+    return {"os": ids, "ufw": ufw, "firewalld": firewalld}
+
+
+def links(run_root):
+    """The names of symbolic links in the run root (never run directories)."""
+    try:
+        return sorted(e.name for e in os.scandir(run_root) if e.is_symlink())[:1000]
+    except OSError:
+        return []

@@ -1,0 +1,297 @@
+"""What a run has recorded, read on a node: its state (status; with every node's through pdsh),
+the runs under the run root and their table, the logged steps, the log's tail and first error,
+the predicted and measured memory, preset=auto's steps down, and the run's files (logs.yml)."""
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from dscnode import program
+from dscnode.procs import pid_alive, procs, ranks_of, started_by
+from dscnode.rundir import RunDir, has_secrets, last_line, read_json, read_text
+
+
+def memory_summary(run_dir):
+    """The run's predicted peak per GPU (memory.json) against its ranks' measured ones on this node
+    (memory.jsonl, those of the configuration memory.json names now): predicted, measured (the
+    largest rank's), ratio, over (by more than the tolerance, 5 %) and a line that says so; None
+    where neither is there."""
+    run = RunDir(run_dir)
+    predicted = read_json(run / RunDir.MEMORY) or {}
+    peaks = {}
+    try:
+        for text in (run / RunDir.MEASURED).read_text().splitlines():
+            try:
+                m = json.loads(text)
+            except ValueError:
+                continue
+            if predicted and (m.get("preset"), m.get("micro_batch")) != (predicted.get("preset"), predicted.get("micro_batch")):
+                continue  # an earlier step of the ladder's
+            peaks[m.get("rank")] = max(peaks.get(m.get("rank"), 0), int(m.get("max_allocated") or 0))
+    except OSError:
+        pass
+    if not predicted and not peaks:
+        return None
+    out = {k: predicted.get(k) for k in ("key", "preset", "micro_batch", "world", "predicted")}
+    measured = max(peaks.values()) if peaks else None
+    out.update(measured=measured, ranks=len(peaks), ratio=None, over=False, note=None)
+    if measured and predicted.get("predicted"):
+        ratio = measured / predicted["predicted"]
+        out["ratio"] = round(ratio, 3)
+        out["over"] = ratio > float(predicted.get("tolerance", 1.05))
+        out["note"] = (f"measured {measured / 2**30:.2f} GiB per GPU against the predicted "
+                       f"{predicted['predicted'] / 2**30:.2f} GiB (x{ratio:.2f})"
+                       + (f": over the prediction by {100 * (ratio - 1):.0f} %; a later preset=auto of the "
+                          f"same code and model uses the measured figure" if out["over"] else ""))
+    return out
+
+
+def runs(run_root):
+    """The runs under the run root, newest first: id, started (a launcher log exists), active,
+    finished (exit code 0)."""
+    out = []
+    try:
+        entries = list(os.scandir(run_root))
+    except OSError:
+        return out
+    for e in entries:
+        if not e.is_dir(follow_symlinks=False) or e.name.startswith("."):  # .secrets: no run
+            continue
+        d = RunDir(e.path)
+        try:
+            finished = read_text(d / RunDir.EXIT).strip() == "0"
+        except OSError:
+            finished = False
+        out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,
+                    "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID)),
+                    "finished": finished, "launch": read_json(d / RunDir.LAUNCH),
+                    "memory": memory_summary(e.path),
+                    "secrets": has_secrets(e.path)})
+    return sorted(out, key=lambda r: r["mtime"], reverse=True)
+
+
+ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code = [1-9]|"
+                        r"was not reachable|Address already in use)")
+
+
+# A Python exception's last line as pdsh passes it on ("node2: ValueError: ..."), with the
+# "[rankN]:" prefix torch's elastic logging adds.
+EXCEPTION = re.compile(r"^(?:(\S+): )?(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def first_error(log, offset=0):
+    """(the first error of the attempt whose output starts at offset, that node's traceback):
+    the first exception line (type and message, with the node that printed it), else the first
+    line that looks like an error; the traceback is up to 20 lines of that node's output before
+    it, from its "Traceback" line."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None, []
+    for i, line in enumerate(lines):
+        m = EXCEPTION.match(line.strip())
+        if m and "Warning" not in line:
+            node = m.group(1)
+            own = [x for x in lines[:i] if node is None or x.startswith(node + ": ")]
+            start = max((j for j, x in enumerate(own) if "Traceback" in x), default=len(own))
+            return line.strip()[:400], (own[start:] + [line])[-20:]
+    for line in lines:
+        if ERROR_LINE.search(line) and "UserWarning" not in line:
+            return line.strip()[:400], []
+    return None, []
+
+
+def status(run_dir, run_id):
+    run = RunDir(run_dir)
+    ps = procs(run_id)
+    launcher = pid_alive(run / RunDir.PID)
+    # Where this node's supervisor started ranks itself (one node, or no_ssh mode), its own
+    # ranks, not those of another node on the same host; pdsh's come through sshd.
+    own = ranks_of(started_by(ps, launcher)) if launcher else []
+    ranks = len(own or ranks_of(ps))
+    code = (run / RunDir.EXIT).read_text().strip() if (run / RunDir.EXIT).exists() else None
+    # A worker has no launcher of its own (pdsh starts its ranks): its ranks say it runs, and
+    # the supervisor writes the exit code into every node's run directory when the run ends.
+    if launcher or (ranks and code is None):
+        state = "stalled" if launcher and (run / RunDir.STALLED).exists() else "running"
+    elif code == "0":
+        state = "finished"
+    elif (run / RunDir.STOPPED).exists():
+        state = "stopped"
+    elif code is not None:
+        state = "failed"
+    elif not (run / RunDir.LOG).exists():  # a worker (no launcher here), or a run not yet started
+        state = "ended" if (run / RunDir.RANKS_STARTED).exists() else "not started"
+    else:
+        state = "lost"  # launcher gone without an exit code (killed with the node)
+    last = last_line(run / RunDir.METRICS) or last_line(run / RunDir.PROGRESS)
+    restarts = (run / RunDir.RESTARTS).read_text().strip() if (run / RunDir.RESTARTS).exists() else "0"
+    failure = read_json(run / RunDir.FAILURE)
+    error, trace = None, []
+    if state in ("failed", "lost"):
+        offset = (read_json(run / RunDir.ATTEMPT) or {}).get("offset", 0)
+        error, trace = first_error(run / RunDir.LOG, offset)
+        if failure:
+            error = f"{failure['message']}; first error: {error}" if error else failure["message"]
+    try:
+        started = (run / "run_id").stat().st_mtime
+    except OSError:
+        started = None
+    return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
+            "started": started, "total_steps": total_steps(last),
+            "launcher_pid": launcher, "ranks_alive": ranks,
+            "processes": len(ps), "last": last, "restarts": int(restarts),
+            "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
+            "first_error": error, "traceback": trace, "memory": memory_summary(run_dir),
+            "step_downs": step_downs(run_dir), "config": config_label(run),
+            "stopped_by": stopped_by(run) if state == "stopped" else None}
+
+
+def total_steps(last):
+    """The run's total steps where its writer knew it: train.run's metrics carry its config's
+    steps, the entry shim's progress HF's Trainer's max_steps; None for any other script, and
+    None where the step is past it (a total that is not the run's)."""
+    last = last or {}
+    total, step = last.get("total_steps"), last.get("step")
+    if not isinstance(total, int) or total <= 0 or (isinstance(step, int) and step > total):
+        return None
+    return total
+
+
+def config_label(run):
+    """What decides the run's DeepSpeed configuration, as the launch message and runs.yml say it:
+    "preset zero2" where the toolkit's preset is the config (dsc_ds_config_mode preset);
+    otherwise (the user's file, HF's Trainer, the script itself) the ZeRO stage its engine
+    reported ("ZeRO stage 3"), and "its own ZeRO stage" before it has. None without a launch
+    record."""
+    launch = read_json(run / RunDir.LAUNCH)
+    if not isinstance(launch, dict):
+        return None
+    if launch.get("dsc_ds_config_mode", "preset") == "preset":
+        return f"preset {launch.get('preset')}"
+    stage = (read_json(run / RunDir.ENGINE) or {}).get("zero_stage")
+    return f"ZeRO stage {stage}" if isinstance(stage, int) else "its own ZeRO stage"
+
+
+def stopped_by(run):
+    """Who stopped the run on purpose, as the stop marker names it (stop.yml, a replacing
+    launch); None for a marker that names no one."""
+    try:
+        said = read_text(run / RunDir.STOPPED).strip()
+    except OSError:
+        return None
+    return said if said and said != "stopped" else None
+
+
+def step_downs(run_dir):
+    """preset=auto's out-of-memory steps down so far: each failed attempt's configuration and
+    cause, and the configuration it stepped down to."""
+    try:
+        return [json.loads(x) for x in (RunDir(run_dir) / RunDir.STEP_DOWNS).read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def log_tail(run_dir, run_id, lines=20, hosts=()):
+    """The end of the run's launcher log (every node's output comes through pdsh, each line
+    prefixed by its node's name): its path, the last `lines` lines of each node ("launcher" for
+    the lines of no node's ranks: DeepSpeed's runner, pdsh, the supervisor), and the raw tail
+    with the byte offset it starts at, from which follow streams; with the run's state."""
+    log = RunDir(run_dir) / RunDir.LOG
+    try:
+        size = log.stat().st_size
+    except OSError:
+        size = 0
+    start = max(0, size - max(65536, lines * 400 * max(1, len(hosts))))
+    data = b""
+    if size:
+        with open(log, "rb") as f:
+            f.seek(start)
+            data = f.read(size - start)
+    cut = data.find(b"\n") + 1 if start else 0  # from the first whole line
+    data, start = data[cut:], start + cut
+    end = data.rfind(b"\n") + 1  # up to the last whole line
+    text = data[:end].decode(errors="replace")
+    nodes = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(": ")
+        node = name if name in hosts and rest else "launcher"
+        nodes.setdefault(node, []).append(rest if node != "launcher" else line)
+    return {"run_id": run_id, "state": status(run_dir, run_id)["state"], "log": str(log), "offset": start,
+            "text": text, "nodes": {k: v[-lines:] for k, v in nodes.items()} if lines else {}}
+
+
+def history(run_dir):
+    """Every logged step of the run (train.run's metrics.jsonl, else the entry shim's
+    progress.jsonl): what plots draw."""
+    run = RunDir(run_dir)
+    for name in (RunDir.METRICS, RunDir.PROGRESS):
+        try:
+            return [json.loads(x) for x in (run / name).read_text().splitlines() if x.strip()]
+        except (OSError, ValueError):
+            continue
+    return []
+
+
+def runs_table(run_root):
+    """Every run under the run root, newest first: id, config (config_label), state, last step,
+    loss, throughput (tokens/s from train.run's metrics, samples/s from any other script's
+    progress), started, duration and restarts (runs.yml's table)."""
+    rows, now = [], time.time()
+    for r in runs(run_root):
+        run = RunDir(Path(run_root) / r["id"])
+        st = status(run.path, r["id"])
+        try:
+            started = (run / "run_id").stat().st_mtime
+        except OSError:
+            started = r["mtime"]
+        try:
+            ended = (run / RunDir.EXIT).stat().st_mtime
+        except OSError:
+            ended = None if st["state"] == "running" else r["mtime"]
+        last = st["last"] or {}
+        rows.append({"id": r["id"], "config": st["config"], "state": st["state"],
+                     "step": last.get("step"), "loss": last.get("loss"),
+                     "tokens_per_s": last.get("tokens_per_s"), "samples_per_s": last.get("samples_per_s"),
+                     "started": started, "duration_s": round((ended or now) - started, 1),
+                     "restarts": st["restarts"]})
+    return sorted(rows, key=lambda row: row["started"], reverse=True)
+
+
+def run_files(run_dir):
+    """Every file of the run directory but its code and checkpoints (what logs.yml fetches):
+    logs, metrics, monitor output, summaries, the rendered config."""
+    run, out = Path(run_dir), []
+    for dirpath, dirnames, filenames in os.walk(run):
+        if Path(dirpath) == run:
+            dirnames[:] = [d for d in dirnames if d not in (RunDir.CODE, RunDir.CHECKPOINTS)]
+        out += [str(Path(dirpath, f).relative_to(run)) for f in filenames if not f.endswith(".tmp")]
+    return sorted(out)
+
+
+def node_states(run_dir, run_id, hosts, own):
+    """{node: {state, ranks_alive}} for follow's line: this node's own (`own`, its status), the
+    others' through pdsh (the same way the launcher reaches them); a node that does not answer is
+    "unreachable", with no rank counted."""
+    def of(st):
+        return {"state": st["state"], "ranks_alive": int(st.get("ranks_alive") or 0)}
+    states = {hosts[0]: of(own)} if hosts else {}
+    others = list(hosts)[1:]
+    if not others:
+        return states
+    r = subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "20", "-w", ",".join(others),
+                        program(), "status", str(run_dir), run_id],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
+    for line in r.stdout.splitlines():
+        name, _, text = line.partition(": ")
+        try:
+            states[name] = of(json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return {h: states.get(h, {"state": "unreachable", "ranks_alive": 0}) for h in hosts}

@@ -1,0 +1,337 @@
+"""The supervisor that start detaches for a run (its pid is the run's launcher.pid, restarts
+included): it runs DeepSpeed's launcher, watches its log, tears the run down everywhere when a node
+fails or the run stalls, restarts it from its latest checkpoint (max_restarts), steps preset=auto's
+ladder down after an out-of-memory error in the first steps, and records how the run ended on
+every node."""
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from dscnode.entry import EngineWatch
+from dscnode.procs import on_others, teardown, write_pid
+from dscnode.rundir import RunDir, append_line, last_line, read_json, size_of, write_atomic
+
+
+# What the launchers print when a node's ranks end badly: launch.py on the node (pdsh prefixes its
+# lines with the node name), and pdsh itself when a node's ssh session ends non-zero (255: the
+# connection was lost, e.g. the node died).
+RANK_EXIT = re.compile(r"^(\S+): .*exits with return code = (-?\d+)")
+SSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+# A stall is the supervisor's own verdict, taken only while no other failure was seen: what its
+# teardown then causes (lost sessions, killed ranks) is not the cause.
+CAUSE_ORDER = {"stall": -1, "signal": 0, "lost": 1, "exit": 2}
+# An out-of-memory error as a rank prints it (torch.OutOfMemoryError, "CUDA out of memory").
+OUT_OF_MEMORY = re.compile(r"(OutOfMemoryError|CUDA out of memory)")
+# preset=auto steps down only while the run has made no more optimizer steps than this.
+FIRST_STEPS = EngineWatch.MEASURE_STEPS
+
+
+def failure_event(line):
+    """A node's failure as the launcher log shows it, or None."""
+    m = RANK_EXIT.match(line)
+    if m and m.group(2) != "0":
+        code = int(m.group(2))
+        return {"node": m.group(1), "code": code, "kind": "signal" if code < 0 else "exit",
+                "line": line.strip()[:400]}
+    m = SSH_EXIT.match(line)
+    if m:
+        code = int(m.group(2))
+        return {"node": m.group(1), "code": code, "kind": "lost" if code == 255 else "exit",
+                "line": line.strip()[:400]}
+    return None
+
+
+def describe(cause):
+    if cause["kind"] == "signal":
+        name = signal.Signals(-cause["code"]).name if -cause["code"] in signal.Signals._value2member_map_ else cause["code"]
+        return f"a rank on {cause['node']} was killed by {name}"
+    if cause["kind"] == "stall":
+        return f"the run stalled: no step for {cause['limit_s']:.0f} s after step {cause['step']}"
+    if cause["kind"] == "lost":
+        return f"the connection to {cause['node']} was lost (node down or sshd gone)"
+    return f"ranks on {cause['node']} exited with code {cause['code']}"
+
+
+class Stall:
+    """A run whose ranks are alive but complete no step: a collective that never returns (a
+    peer stopped, an NCCL hang) looks exactly like that. The steps are global rank 0's
+    (train.run's metrics.jsonl, any script's progress.jsonl, both on the master); before the
+    first one of this attempt nothing is judged (start-up, op builds, a restart loading its
+    checkpoint: the lines an earlier attempt wrote do not count). Stalled after `timeout_s`
+    without a new step; 0 means 10x the median step time, at least `min_s`."""
+
+    def __init__(self, run, timeout_s=0.0, min_s=300.0):
+        self.run, self.timeout_s, self.min_s = run, float(timeout_s), float(min_s)
+        self.step, self.since, self.per_step = None, time.time(), []
+        self.start = {name: size_of(run / name) for name in (RunDir.METRICS, RunDir.PROGRESS)}
+        (run / RunDir.STALLED).unlink(missing_ok=True)
+
+    def limit(self):
+        if self.timeout_s > 0:
+            return self.timeout_s
+        times = sorted(self.per_step)
+        return max(self.min_s, 10 * times[len(times) // 2]) if times else self.min_s
+
+    def check(self, now):
+        """None while steps come; else the stall record, written to stalled.json."""
+        last = next(filter(None, (last_line(self.run / name, start) for name, start in self.start.items())), {})
+        step = last.get("step")
+        if step is not None and step != self.step:
+            if self.step is not None and step > self.step:
+                self.per_step.append((now - self.since) / (step - self.step))
+            self.step, self.since = step, now
+            (self.run / RunDir.STALLED).unlink(missing_ok=True)
+            return None
+        if self.step is None or now - self.since < self.limit():
+            return None
+        record = {"step": self.step, "since": round(self.since, 3), "limit_s": round(self.limit(), 1)}
+        if not (self.run / RunDir.STALLED).exists():
+            write_atomic(self.run / RunDir.STALLED, json.dumps(record) + "\n")
+            print(f"[dsc_node] stalled: no step for {record['limit_s']:.0f} s after step {self.step}",
+                  flush=True)
+        return record
+
+
+def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
+    """Wait for the launcher; when a node fails and the run has not ended grace seconds later
+    (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere. A
+    stall (`stall`: {timeout_s, fail}) is marked in the run directory, and with fail it ends the
+    attempt as a failure (teardown, then a restart when max_restarts allows). `seen` (a dict) gets
+    the attempt's first out-of-memory line ("oom")."""
+    seen = {} if seen is None else seen
+    log = run / RunDir.LOG
+    events, deadline, torn = [], None, None
+    stall = stall or {}
+    stalls, checked = Stall(run, stall.get("timeout_s", 0), stall.get("min_s", 300)), 0.0
+    while True:
+        code = child.poll()
+        with open(log, errors="replace") as f:
+            f.seek(pos)
+            chunk = f.read()
+        done = chunk.rfind("\n") + 1
+        pos += len(chunk[:done].encode(errors="replace"))
+        for line in chunk[:done].splitlines():
+            if "oom" not in seen and OUT_OF_MEMORY.search(line):
+                seen["oom"] = line.strip()[:400]
+            ev = failure_event(line)
+            if ev:
+                ev["time"] = time.time()
+                events.append(ev)
+        if code is not None:
+            break
+        if time.time() - checked >= 2:
+            checked = time.time()
+            stalled = stalls.check(checked)
+            if stalled and stall.get("fail") and deadline is None:
+                events.append({"node": hosts[0] if hosts else socket.gethostname(), "kind": "stall",
+                               "code": -1, "time": time.time(), "step": stalled["step"],
+                               "limit_s": stalled["limit_s"], "line": ""})
+                deadline = time.time()
+        if events and deadline is None:
+            deadline = time.time() + grace
+        if deadline and torn is None and time.time() >= deadline:
+            torn = {"started": time.time()}
+            child.kill()  # not TERM: the runner would pkill other runs' launchers by pattern
+            torn.update(teardown(run_id, hosts))
+            torn["done"] = time.time()
+        time.sleep(0.5)
+    cause = min(events, key=lambda e: (CAUSE_ORDER[e["kind"]], e["time"])) if events else None
+    return code, cause, torn
+
+
+# Matched against the whole string (fullmatch; `$` would take a trailing newline, which DeepSpeed's
+# pdsh runner passes unquoted: a second command on every node).
+LATEST = re.compile(r"\{latest:(.+)\}")
+SAFE_ARG = re.compile(r"[\w@%+=:,./-]*")
+
+
+def newest(pattern, cwd="."):
+    """The newest path matching the glob, by the last number in its name (checkpoint-40 after
+    checkpoint-9), then by mtime; None if nothing matches."""
+    def key(p):
+        nums = re.findall(r"\d+", os.path.basename(p.rstrip("/")))
+        return (int(nums[-1]) if nums else -1, os.path.getmtime(os.path.join(cwd, p)))
+    found = [p for p in glob.glob(pattern, root_dir=cwd) if SAFE_ARG.fullmatch(p)]
+    return max(found, key=key) if found else None
+
+
+def resolve_latest(argv, cwd="."):
+    """A script's resume arguments, as the plan allows them: `{latest:GLOB}` becomes the newest
+    match (e.g. HF's --resume_from_checkpoint out/checkpoint-40); with no match yet (stopped
+    before the first save) it is dropped with the option right before it, and the run starts
+    over."""
+    out = []
+    for arg in argv:
+        m = LATEST.fullmatch(arg)
+        if not m:
+            out.append(arg)
+            continue
+        path = newest(m.group(1), cwd)
+        if path:
+            out.append(path)
+        elif out and out[-1].startswith("-"):
+            out.pop()
+    return out
+
+
+def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None):
+    log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = sys.stderr = Unfailing(sys.stdout)  # the log on a full disk ends no supervisor
+    write_pid(run / RunDir.PID, os.getpid())
+    reserve_exit(run)
+    env = dict(os.environ, DSC_RUN_ID=run_id, DSC_RUN_DIR=str(run.path))
+    restarts_file = run / RunDir.RESTARTS
+    restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0
+    attempt = list(cmd)
+    while True:
+        # Where this attempt's output starts, taken before the spawn: its first failure line is
+        # never missed, and status reads the latest attempt's error, not an earlier one's.
+        offset = (run / RunDir.LOG).stat().st_size
+        (run / RunDir.FAILURE).unlink(missing_ok=True)  # the cause shown is this attempt's
+        best_effort(write_atomic, run / RunDir.ATTEMPT,
+                    json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
+        child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
+        best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
+        seen = {}
+        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen)
+        if cause:
+            best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
+                cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
+        if code == 0 or (run / RunDir.STOPPED).exists():
+            break
+        down = step_down(run, hosts, seen.get("oom"), code)
+        if down:  # preset=auto: the next configuration of its ladder, from the start
+            teardown(run_id, list(hosts))
+            if (run / RunDir.STOPPED).exists():
+                break
+            attempt = list(cmd)
+            continue
+        if restarts >= max_restarts:
+            break
+        restarts += 1
+        wait = min(backoff * 2 ** (restarts - 1), 600.0)
+        best_effort(write_atomic, restarts_file, f"{restarts}\n")
+        best_effort(append_line, run / RunDir.RESTARTS_LOG, json.dumps(
+            {"restart": restarts, "time": time.time(), "after_exit_code": code,
+             "cause": describe(cause) if cause else None, "backoff_s": wait}))
+        print(f"[dsc_node] restart {restarts}/{max_restarts} in {wait:.0f} s from the latest "
+              f"complete checkpoint ({describe(cause) if cause else f'exit code {code}'})", flush=True)
+        teardown(run_id, list(hosts))  # nothing of the failed attempt may linger anywhere
+        time.sleep(wait)
+        if (run / RunDir.STOPPED).exists():
+            break
+        resumes = list(resume_args) and list(cmd[-len(resume_args):]) == list(resume_args)
+        attempt = list(cmd) + ([] if resumes else list(resume_args))
+    record_exit(run, code)
+    on_others(hosts, "write-exit", str(run.path), str(code))
+    (run / RunDir.PID).unlink(missing_ok=True)
+    os._exit(0)
+
+
+def run_steps(run):
+    """The latest optimizer step the run has logged (train.run's metrics, any script's progress),
+    or None."""
+    steps = [(last_line(run / name) or {}).get("step") for name in (RunDir.METRICS, RunDir.PROGRESS)]
+    steps = [x for x in steps if isinstance(x, int)]
+    return max(steps) if steps else None
+
+
+def step_down(run, hosts, oom, code):
+    """preset=auto's answer to an out-of-memory error in the first steps (none past FIRST_STEPS):
+    the next step of auto.json's ladder on every node (step-down), recorded in step_downs.jsonl
+    and said in the log; False where it does not apply (no ladder, the ladder spent, another
+    error, a run that already trained)."""
+    ladder = read_json(run / RunDir.AUTO) or {}
+    steps, index = ladder.get("ladder") or [], int(ladder.get("index", 0))
+    at = run_steps(run)
+    if not oom or index + 1 >= len(steps) or (at is not None and at > FIRST_STEPS):
+        return False
+    was, nxt = steps[index], steps[index + 1]
+    record = {"attempt": index + 1, "time": round(time.time(), 3), "exit_code": code, "at_step": at,
+              "preset": was["preset"], "micro_batch": was["micro_batch"], "cause": oom,
+              "next": {k: nxt[k] for k in ("preset", "micro_batch", "grad_accum")}}
+    best_effort(append_line, run / RunDir.STEP_DOWNS, json.dumps(record))
+    print(f"[dsc_node] out of memory in the first steps at {was['preset']} micro-batch "
+          f"{was['micro_batch']}: stepping down to {nxt['preset']} micro-batch {nxt['micro_batch']} "
+          f"(step {index + 1} of {len(steps) - 1} of preset=auto's ladder)", flush=True)
+    apply_step(run.path, index + 1)
+    on_others(hosts, "step-down", str(run.path), str(index + 1))
+    return True
+
+
+def apply_step(run_dir, index):
+    """The ladder's step `index` becomes the run's configuration on this node: ds_config.json,
+    memory.json's prediction and launch.json's preset and micro-batch (what resume starts)."""
+    run = RunDir(run_dir)
+    ladder = read_json(run / RunDir.AUTO) or {}
+    step = (ladder.get("ladder") or [])[int(index)]
+    write_atomic(run / "ds_config.json", json.dumps(step["ds_config"], indent=2, sort_keys=True) + "\n")
+    memory = read_json(run / RunDir.MEMORY)
+    if memory:
+        memory.update(preset=step["preset"], micro_batch=step["micro_batch"], predicted=step["predicted"])
+        write_atomic(run / RunDir.MEMORY, json.dumps(memory, indent=2, sort_keys=True) + "\n")
+    launch = read_json(run / RunDir.LAUNCH)
+    if launch:
+        launch.update(preset=step["preset"], dsc_micro_batch=step["micro_batch"])
+        write_atomic(run / RunDir.LAUNCH, json.dumps(launch, indent=2, sort_keys=True) + "\n")
+    write_atomic(run / RunDir.AUTO, json.dumps(dict(ladder, index=int(index)), sort_keys=True) + "\n")
+    return {"ok": True, "preset": step["preset"], "micro_batch": step["micro_batch"]}
+
+
+class Unfailing:
+    """A stream whose writes never raise (the supervisor's log on a full disk)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            return 0
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
+
+
+def best_effort(fn, *args, **kwargs):
+    """A supervisor's record that may fail on a full disk: the supervisor goes on (it still has
+    to tear down, restart and record the exit code)."""
+    try:
+        fn(*args, **kwargs)
+    except OSError:
+        pass
+
+
+def reserve_exit(run):
+    """Room for the exit code, taken while the disk has it: record_exit overwrites this file in
+    place when a full disk refuses a new one."""
+    best_effort(write_atomic, run / RunDir.EXIT_RESERVE, " " * 32 + "\n")
+
+
+def record_exit(run, code):
+    """The run's exit code, always: a new file, else (disk full) the reserved one rewritten in
+    place and renamed (neither needs a free block)."""
+    try:
+        write_atomic(run / RunDir.EXIT, f"{code}\n")
+        (run / RunDir.EXIT_RESERVE).unlink(missing_ok=True)
+        return
+    except OSError:
+        pass
+    with open(run / RunDir.EXIT_RESERVE, "r+") as f:
+        f.write(f"{code}\n")
+        f.truncate()
+    os.replace(run / RunDir.EXIT_RESERVE, run / RunDir.EXIT)
