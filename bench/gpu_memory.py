@@ -7,7 +7,7 @@ missing dependencies installed from carried wheels into PYTHONPATH), from the re
 
 Each configuration runs in a fresh process (peaks are per process, so a few run side by side on
 one GPU: as many as the predicted peaks allow, at most two with the optimizer on the CPU):
-train.run's main() with the ds_config launch.yml would render (dsc_plan.ds_config: _base.json +
+train.run's main() with the ds_config launch.yml would render (dscplan.ds_config: _base.json +
 templates/ds_config/<preset>.json + bf16 + the batch), the 1.42 B GPT ("1.3b", seq 2048), world 1,
 3 steps. DeepSpeedEngine.backward/step are wrapped to read torch.cuda's peak counters per phase
 (forward, backward, step; reset after each); the run's peak is the largest. FusedAdam and CPUAdam
@@ -30,12 +30,11 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "module_utils")]
+import dscplan  # pure Python, like train.config and train.memory
+from train import memory
+from train.config import SIZES
 
-from train.config import SIZES  # noqa: E402  (pure Python)
-from train import memory  # noqa: E402  (pure Python)
-import dsc_plan  # noqa: E402  (pure Python)
+ROOT = Path(__file__).resolve().parents[1]
 
 GiB = 2 ** 30
 DEFAULT_CONFIGS = ("zero2-offload:8,zero3-offload:8,zero2:8,zero3:8,zero1:8,zero2:4,zero3:4,zero1:4,"
@@ -80,7 +79,7 @@ def child(name, port, out_file, run_root, steps):
     run_dir = Path(run_root) / name.replace(":", "_")
     run_dir.mkdir(parents=True, exist_ok=True)
     sizes = {"micro_batch": c["micro_batch"], "grad_accum": 1, "train_batch": c["micro_batch"]}
-    cfg = dsc_plan.ds_config(str(ROOT / "templates"), c["preset"], "cuda" if torch.cuda.is_available() else "cpu",
+    cfg = dscplan.ds_config(str(ROOT / "templates"), c["preset"], "cuda" if torch.cuda.is_available() else "cpu",
                              ["9.0"], sizes, {})
     (run_dir / "ds_config.json").write_text(json.dumps(cfg, indent=1))
 

@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+import cluster as testcluster
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "molecule"))
-import cluster as testcluster  # noqa: E402
 
 RUNS = "/opt/dscluster/runs"
 TRAIN = {"steps": 6, "vocab_size": 512, "seq_len": 64, "save_final": False}

@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+import cluster as testcluster
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "molecule"))
-import cluster as testcluster  # noqa: E402
 
 # Each tuned setting of ansible.cfg back at Ansible's default.
 UNTUNED = {"ANSIBLE_PIPELINING": "False", "ANSIBLE_SSH_ARGS": "", "ANSIBLE_FORKS": "5",

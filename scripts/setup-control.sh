@@ -10,10 +10,21 @@ stamp="$venv/.requirements.sha256"
 # Ansible's fact cache (ansible.cfg) holds the nodes' facts: the control node's user alone reads it.
 install -d -m 0700 "$here/.cache/facts" && chmod -R go-rwx "$here/.cache/facts"
 want=$(sha256sum "$here/requirements/control.lock" | cut -d' ' -f1)
+# The project's own Python, importable by one path set here and nowhere else: the repository root
+# (train), plugins/module_utils (dscplan, the plan), node (dscnode, the node helper) and molecule
+# (cluster, the container tier's cluster). Ansible's action and filter plugins, pytest and bench/
+# all run this venv's python, which reads the .pth at start. Written on every run, so a moved
+# repository or a venv made before the file existed gets it without reinstalling.
+write_paths() {
+  local site; site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  printf '%s\n' "$here" "$here/plugins/module_utils" "$here/node" "$here/molecule" > "$site/dscluster.pth"
+}
 if [ -x "$venv/bin/ansible-playbook" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  write_paths
   echo "control venv $venv is up to date"; exit 0
 fi
 "$py" -m venv "$venv"
+write_paths
 # Every package pinned with its sha256 (scripts/lock.sh writes the lock from control.txt); a pip
 # failure fails this script (only the "is ignored" notes of a site's unreachable extra index are
 # left out of its output).

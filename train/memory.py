@@ -1,7 +1,7 @@
 """Per-GPU memory of a DeepSpeed training step, predicted from the model's shape (standard library only).
 
 The one place for the formula: train/run.py imports it on the nodes (train/ travels with every run),
-plugins/module_utils/dsc_memory.py loads this file on the control node (the plan, -e preset=auto).
+plugins/module_utils/dscplan/memory.py imports this file on the control node (the plan, -e preset=auto).
 docs/memory.md has the derivation and the measured check (bench/gpu_memory.py on one H200).
 
 What is predicted is the peak of torch.cuda.max_memory_allocated() over a training step, as a sum
@@ -49,6 +49,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+
+from train.config import SIZES
 
 GiB = 2 ** 30
 
@@ -436,7 +438,6 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
 
 def main(argv=None):
     """python -m train.memory --size 1.3b --seq-len 2048 --preset zero2 --micro-batch 8"""
-    from train.config import SIZES  # noqa: PLC0415 - dsc_memory loads this file by path, train/ not on sys.path
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--size", default="1.3b", choices=sorted(SIZES))
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
+import cluster as testcluster
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "molecule"))
-sys.path.insert(0, str(ROOT / "plugins" / "module_utils"))  # dsc_plan's parsers
-import cluster as testcluster  # noqa: E402
 
 # testinfra's ansible backend calls ansible-inventory from PATH.
 os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-import dsc_plan
+import dscplan
 
 TINY = {"vocab_size": 512, "seq_len": 64}
 
@@ -42,7 +42,7 @@ def test_zero3_trains_across_two_nodes_to_completion(zero3_run, cluster):
 def test_rank_env_names_the_interface_holding_each_address(zero3_run, cluster):
     """The environment DeepSpeed's runner exported to every rank (the master's run dir)."""
     text = cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-zero3/.deepspeed_env").stdout
-    env = dsc_plan.parse_ds_env(text)
+    env = dscplan.parse_ds_env(text)
     assert env["DS_ACCELERATOR"] == "cpu" and env["NCCL_IB_DISABLE"] == "1"
     assert env["DEEPSPEED_TIMEOUT"] == "30" and "NCCL_TIMEOUT" not in env
     assert env["DSC_RUN_ID"] == "t-zero3" and env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"]

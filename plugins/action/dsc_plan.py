@@ -1,7 +1,7 @@
 """Action `dsc_plan`: validate everything and derive the plan, once, on the control node.
 
 Run by roles/plan (run_once, registered as `dsc_plan` on every host of the play); the logic is in
-plugins/module_utils/dsc_plan.py. It reads each node's inventory values through hostvars, the
+the package plugins/module_utils/dscplan. It reads each node's inventory values through hostvars, the
 nodes' probes (the `probe_var` each node registered), the run options from the play, the names
 given with -e, and the defaults from roles/plan/meta/argument_specs.yml and requirements/pins.env;
 it fails with every problem at once. With build_helper it only builds the node helper (the file the
@@ -12,13 +12,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 
 from ansible.plugins.action import ActionBase
 from ansible.utils.vars import load_extra_vars
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
-import dsc_plan  # plugins/module_utils/dsc_plan.py, pure Python
+import dscplan  # plugins/module_utils/dscplan, pure Python
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 SPEC = os.path.join(REPO, "roles", "plan", "meta", "argument_specs.yml")
@@ -47,16 +45,16 @@ class ActionModule(ActionBase):
             # The first task of every playbook, before anything reads an -e value: the values as
             # given on the command line (and in -e @files), parsed, never templated. Whatever
             # this Ansible's own detection calls a template is refused too.
-            problems = dsc_plan.literal_extra_vars(load_extra_vars(self._loader),
+            problems = dscplan.literal_extra_vars(load_extra_vars(self._loader),
                                                    getattr(self._templar, "is_possibly_template", None))
             return failed(result, problems, f"{len(problems)} problem(s), nothing was changed:") \
                 if problems else dict(result, changed=False)
         if args.get("build_helper"):
-            path, sha256 = dsc_plan.node_helper(REPO)
+            path, sha256 = dscplan.node_helper(REPO)
             return dict(result, changed=False, path=path, sha256=sha256)
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]
         probe_var = args.get("probe_var", "__plan_probe")
-        names = dsc_plan.node_order(groups)
+        names = dscplan.node_order(groups)
         limited = [h for h in names if h not in task_vars.get("ansible_play_hosts_all", names)]
         if limited:
             msg = (f"--limit leaves out {', '.join(limited)}: the plan checks and derives the whole "
@@ -72,11 +70,11 @@ class ActionModule(ActionBase):
         inventory, variables, probes, unreachable = {}, {}, {}, []
         for name in names:
             hv = hostvars[name]
-            wanted = (dsc_plan.CLUSTER_SETTINGS + dsc_plan.NODE_SETTINGS + dsc_plan.SECRET_SETTINGS
+            wanted = (dscplan.CLUSTER_SETTINGS + dscplan.NODE_SETTINGS + dscplan.SECRET_SETTINGS
                       + ("ansible_host", "ansible_port"))
             inventory[name] = {var: plain(hv[var]) for var in wanted if var in hv}
             # Names only (iterating hostvars templates nothing): undeclared settings are refused.
-            variables[name] = [var for var in hv if str(var).startswith(dsc_plan.SETTING_PREFIXES)]
+            variables[name] = [var for var in hv if str(var).startswith(dscplan.SETTING_PREFIXES)]
             probe = hv.get(probe_var) or {}
             if probe.get("unreachable") or probe.get("failed") or "stdout" not in probe:
                 why = " ".join(str(probe.get("msg") or probe.get("stderr") or "no answer").split())
@@ -92,22 +90,22 @@ class ActionModule(ActionBase):
                                    f"Fix: copy .cache/dsc_node.pyz there, run the probe by hand "
                                    f"(python3 dsc_node.pyz probe) and mend what it says.")
         # status.yml shows an unreachable node as such; everything else needs every node.
-        allow_unreachable = dsc_plan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
+        allow_unreachable = dscplan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
         if unreachable and not allow_unreachable:
             return failed(result, unreachable)
-        defaults = dsc_plan.load_defaults(SPEC, PINS)
+        defaults = dscplan.load_defaults(SPEC, PINS)
         options = {k: plain(self._templar.template(task_vars[k]))
-                   for k in dsc_plan.RUN_OPTIONS if k in task_vars}
+                   for k in dscplan.RUN_OPTIONS if k in task_vars}
         # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported
         # by preflight itself), false (status, stop, logs: only which run).
         run_kind = self._templar.template(args.get("run", False))
-        run_kind = run_kind if run_kind == "probe" else dsc_plan.as_bool(run_kind)
+        run_kind = run_kind if run_kind == "probe" else dscplan.as_bool(run_kind)
         now = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-        plan, errors = dsc_plan.make_plan(
+        plan, errors = dscplan.make_plan(
             inventory, {k: list(v) for k, v in groups.items()}, probes, defaults,
             {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
             full_run=run_kind in ("probe", True), refuse_active=run_kind is True,
-            firewall=dsc_plan.as_bool(self._templar.template(args.get("firewall", False))),
+            firewall=dscplan.as_bool(self._templar.template(args.get("firewall", False))),
             variables=variables, extra_vars=frozenset(map(str, load_extra_vars(self._loader))))
         if errors:
             return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")

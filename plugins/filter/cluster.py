@@ -1,5 +1,5 @@
 """Report and status rows for the playbooks' output (the plan itself is
-plugins/module_utils/dsc_plan.py, derived once by the dsc_plan action).
+plugins/module_utils/dscplan, derived once by the dsc_plan action).
 
     {{ (versions, name) | dsc_report_row }}            -> one row of provision's version table
     {{ hostvars | dsc_version_diff(names) }}           -> messages for versions that differ

@@ -19,17 +19,14 @@ that is how stale ones (an old node address, port range or SSH source) are found
 """
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 try:
     from ansible.errors import AnsibleFilterError
 except ImportError:  # pure-Python unit tests
     AnsibleFilterError = ValueError
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
-from dsc_plan import ip_network  # plugins/module_utils/dsc_plan.py, pure Python
+from dscplan import ip_network  # plugins/module_utils/dscplan, pure Python
 
 COMMENT_PREFIX = "dscluster"
 ANY = {"v4": "0.0.0.0/0", "v6": "::/0"}
@@ -37,7 +34,7 @@ _TUPLE = re.compile(r"^### tuple ###\s*(.*)$")
 
 
 def address(text, what="address"):
-    """(family, text as ufw writes it) for an address or CIDR (dsc_plan.ip_network): a host
+    """(family, text as ufw writes it) for an address or CIDR (dscplan.ip_network): a host
     network as a plain address."""
     try:
         net = ip_network(text)

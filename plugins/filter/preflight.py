@@ -11,8 +11,6 @@ DEEPSPEED_FACTS' failure modes; a check that could not run says why.
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 # The oldest Linux driver each CUDA major release runs on (minor-version compatibility, from
 # NVIDIA's CUDA toolkit release notes, table 2).
@@ -80,13 +78,12 @@ def owner_verdict(owners):
 def root_paths_verdict(node, report, train_user):
     """(status, detail, fix) for the paths root creates or writes into on a node (the node
     helper's root_paths): FAIL naming the first link or foreign owner, with the plan's own words
-    (plugins/module_utils/dsc_plan.py's root_path_problems: the plan refuses the same)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "module_utils"))
-    import dsc_plan  # noqa: PLC0415 - pure Python, only for this verdict
+    (dscplan.settings.root_path_problems: the plan refuses the same)."""
+    import dscplan  # noqa: PLC0415 - pure Python, only for this verdict
     if report is None:
         return ("WARN", "the node helper did not report them (older helper)", "re-run provision.yml")
     # The only data dir preflight sees is a shared one (dsc_data_shared), which nothing writes.
-    problems = dsc_plan.root_path_problems(node, report, train_user, data=False)
+    problems = dscplan.root_path_problems(node, report, train_user, data=False)
     if problems:
         detail, _, fix = problems[0].partition(" Fix: ")
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

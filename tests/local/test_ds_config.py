@@ -5,15 +5,14 @@ the nodes (molecule/tests/test_launch.py)."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import dscplan
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("DSC_TRAIN_VENV", ROOT / ".cache" / "train-venv"))
-sys.path.insert(0, str(ROOT / "plugins" / "module_utils"))
-import dsc_plan  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
                                 reason=f"no train venv at {VENV} (scripts/test.sh builds it)")
@@ -34,10 +33,10 @@ for cfg in json.load(sys.stdin):
 
 def test_every_preset_renders_a_config_deepspeed_accepts():
     sizes = {"micro_batch": 4, "grad_accum": 2, "train_batch": 16}
-    cases = [(preset, accel, caps) for preset in dsc_plan.presets(TEMPLATES)
+    cases = [(preset, accel, caps) for preset in dscplan.presets(TEMPLATES)
              for accel, caps in (("cpu", []), ("cuda", ["9.0"]), ("cuda", ["7.0"]))]
     assert {c[0] for c in cases} >= {"zero0", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"}
-    configs = [dsc_plan.ds_config(TEMPLATES, *case, sizes, {}) for case in cases]
+    configs = [dscplan.ds_config(TEMPLATES, *case, sizes, {}) for case in cases]
     for (preset, _accel, caps), cfg in zip(cases, configs, strict=True):
         assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
         assert cfg["zero_optimization"]["stage"] == int(preset[4]), preset

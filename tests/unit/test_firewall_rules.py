@@ -1,17 +1,14 @@
 """The toolkit's ufw rules (plugins/filter/firewall.py): which rules, in which order, and what to
 delete and insert so that they lead the node's list, from ufw's own rules files. The tuples below
 are as ufw 0.36 (Debian 12) writes them."""
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-import dsc_plan
+import dscplan
+from plugins.filter import firewall as fw
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("firewall_filters", ROOT / "plugins" / "filter" / "firewall.py")
-fw = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fw)
 
 ADDRS = ["10.89.77.11", "10.89.77.12"]
 HEX = {c: c.encode().hex() for c in ("dscluster ssh", "dscluster node", "dscluster master ports")}
@@ -41,7 +38,7 @@ def files(rules):
     ("10.0.0.1\r", None, None), ("10.0.0.1\0", None, None), ("any\n", None, None),
 ])
 def test_the_plan_accepts_exactly_the_ssh_sources_the_rules_are_made_from(source, family, ufw):
-    assert dsc_plan._ssh_source(source) is (family is not None)
+    assert dscplan._ssh_source(source) is (family is not None)
     if family is None:
         with pytest.raises(fw.AnsibleFilterError, match="not an IP address or CIDR"):
             want(ssh_sources=[source])

@@ -1,5 +1,5 @@
 """Unit tests for the memory prediction (train/memory.py, loaded on the control node as
-plugins/module_utils/dsc_memory.py). Pure Python: no torch, no DeepSpeed."""
+plugins/module_utils/dscplan/memory.py). Pure Python: no torch, no DeepSpeed."""
 import json
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import dsc_memory as M
+from dscplan import memory as M
 from train import memory as train_memory
 from train.config import load_config
 
@@ -23,16 +23,16 @@ def gpt13(seq_len=2048):
 
 # --- one formula, two import paths -------------------------------------------------------------------
 
-def test_dsc_memory_is_train_memory_loaded_by_path():
+def test_the_plans_memory_is_train_memory():
     assert M.predict.__code__.co_filename == train_memory.predict.__code__.co_filename
     assert Path(M.predict.__code__.co_filename).resolve() == ROOT / "train" / "memory.py"
 
 
-def test_dsc_memory_imports_without_torch_or_deepspeed():
+def test_the_plans_memory_imports_without_torch_or_deepspeed():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None; "
-            f"sys.path.insert(0, {str(ROOT / 'plugins' / 'module_utils')!r}); import dsc_memory; "
-            "s = dsc_memory.model_shape(2, 64, 4, 258, 128); "
-            "print(dsc_memory.predict(s, 'zero2', 1, 1, 1)['total'] > 0)")
+            "from dscplan import memory; "
+            "s = memory.model_shape(2, 64, 4, 258, 128); "
+            "print(memory.predict(s, 'zero2', 1, 1, 1)['total'] > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"

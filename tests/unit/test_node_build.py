@@ -12,13 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dsc_plan
+import dscplan
 from dscnode import INSTALLED_PATH
 from dscnode.build import SHEBANG, build
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "node" / "dscnode"
-HELPER = dsc_plan.node_helper(ROOT)[0]
+HELPER = dscplan.node_helper(ROOT)[0]
 # What the probe printed before the package (its keys: the plan reads them).
 PROBE_KEYS = {"hostname", "cpus", "gpus", "interfaces", "infiniband", "runs", "run_root_links", "helper_sha256",
               "firewalls"}
@@ -30,7 +30,7 @@ def test_the_build_gives_the_same_bytes_every_time(tmp_path):
     assert first.read_bytes() == second.read_bytes() and first.read_bytes().startswith(SHEBANG)
     assert oct(first.stat().st_mode & 0o777) == "0o755"
     # The plan's build is the same file, and it is named what it is installed as.
-    assert dsc_plan.node_helper(ROOT)[1] == build(first)
+    assert dscplan.node_helper(ROOT)[1] == build(first)
     assert Path(HELPER).name == Path(INSTALLED_PATH).name == "dsc_node.pyz"
     mtime = first.stat().st_mtime_ns
     build(first)  # unchanged sources: the file is left as it is

@@ -5,7 +5,6 @@ container.
     .venv/bin/pytest tests/unit/test_node_helper.py -q
 """
 import base64
-import importlib.util
 import io
 import json
 import os
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-import dsc_plan
+import dscplan
 from dscnode import checks, entry, launch, probe, procs, records, rundir, supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPER = dsc_plan.node_helper(ROOT)[0]  # the file the nodes run, built as the plan builds it
+HELPER = dscplan.node_helper(ROOT)[0]  # the file the nodes run, built as the plan builds it
 
 
 def helper(*args, stdin=None, env=None):
@@ -625,17 +624,17 @@ def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_
     assert str(env / "lib" / "python3.11" / "site-packages") in paths
     assert next(e for e in out["entries"] if e["path"] == py)["kind"] == "link"
     me = __import__("pwd").getpwuid(os.geteuid()).pw_name
-    owner, problem = dsc_plan.existing_owner("node1", py, out)
+    owner, problem = dscplan.existing_owner("node1", py, out)
     assert problem is None and owner == ("root" if os.geteuid() == 0 else me)
     (env / "lib" / "python3.11" / "site-packages").chmod(0o775)
-    owner, problem = dsc_plan.existing_owner("node1", py, probe.path_owners(py))
+    owner, problem = dscplan.existing_owner("node1", py, probe.path_owners(py))
     assert owner is None and f"{env}/lib/python3.11/site-packages is writable by group (mode 775" in problem
     (env / "lib" / "python3.11" / "site-packages").chmod(0o755)
     if os.geteuid() == 0:  # a user's env: run as that user only
         nobody = pwd.getpwnam("nobody")
         for d in (env, env / "bin"):
             os.chown(d, nobody.pw_uid, nobody.pw_gid)
-        assert dsc_plan.existing_owner("node1", py, probe.path_owners(py)) == ("nobody", None)
+        assert dscplan.existing_owner("node1", py, probe.path_owners(py)) == ("nobody", None)
     assert "error" in probe.path_owners(str(tmp_path / "none" / "bin" / "python"))
 
 
@@ -745,9 +744,7 @@ def test_no_step_down_for_another_error_a_run_past_its_first_steps_or_a_spent_la
 
 
 def test_status_rows_show_the_peak_against_the_prediction_and_each_step_down():
-    spec = importlib.util.spec_from_file_location("dsc_filters", ROOT / "plugins" / "filter" / "cluster.py")
-    filters = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(filters)
+    from plugins.filter import cluster as filters  # noqa: PLC0415 - the control node's filters, for this test alone
     gib = 2 ** 30
     st = {"host": "node1", "state": "running", "ranks_alive": 1, "last": {"step": 3},
           "memory": {"predicted": 50 * gib, "measured": 72 * gib, "ratio": 1.44, "over": True},

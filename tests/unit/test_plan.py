@@ -1,4 +1,4 @@
-"""The plan (plugins/module_utils/dsc_plan.py): every check, the batch arithmetic, the ds_config,
+"""The plan (plugins/module_utils/dscplan): every check, the batch arithmetic, the ds_config,
 the rendered files and the launcher command, with no node and no Ansible run.
 
     .venv/bin/pytest tests/unit -q
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-import dsc_memory
-import dsc_plan
+from dscplan import memory as dsc_memory
+import dscplan
 from dscnode.rundir import secrets_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "roles" / "plan" / "meta" / "argument_specs.yml"
 OPTIONS = yaml.safe_load(SPEC.read_text())["argument_specs"]["main"]["options"]
-PINS = dsc_plan.read_pins(ROOT / "requirements" / "pins.env")
-DEFAULTS = dsc_plan.load_defaults(SPEC, ROOT / "requirements" / "pins.env")
+PINS = dscplan.read_pins(ROOT / "requirements" / "pins.env")
+DEFAULTS = dscplan.load_defaults(SPEC, ROOT / "requirements" / "pins.env")
 PATHS = {"repo": str(ROOT), "templates": str(ROOT / "templates")}
 
 
@@ -43,13 +43,13 @@ def cluster(n=2, slots=2, gpus=0, runs=(), **settings):
 
 def plan(n=2, options=None, full_run=False, runs=(), **settings):
     hostvars, groups, probes = cluster(n, runs=runs, **settings)
-    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, options,
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, options,
                               now="20261130-000000", full_run=full_run)
 
 
 def test_spec_declares_exactly_what_the_plan_reads():
-    assert set(DEFAULTS) == set(dsc_plan.CLUSTER_SETTINGS + dsc_plan.SECRET_SETTINGS + dsc_plan.NODE_SETTINGS
-                                + dsc_plan.RUN_OPTIONS)
+    assert set(DEFAULTS) == set(dscplan.CLUSTER_SETTINGS + dscplan.SECRET_SETTINGS + dscplan.NODE_SETTINGS
+                                + dscplan.RUN_OPTIONS)
 
 
 # Where the plan is read: the roles, the playbooks and the templates (dsc_plan.<key>, dsc_plan['key']).
@@ -68,28 +68,28 @@ def plan_reads():
     return reads
 
 
-PLAN_FIELDS = {f.name for f in dataclasses.fields(dsc_plan.CompanionPlan)}
+PLAN_FIELDS = {f.name for f in dataclasses.fields(dscplan.CompanionPlan)}
 
 
 def test_every_plan_key_the_roles_read_is_a_field_of_the_plan():
     unknown = [f"{where}: dsc_plan.{key}" for key, at in plan_reads().items() if key not in PLAN_FIELDS for where in at]
-    assert unknown == [], "not a field of dsc_plan.Plan or CompanionPlan:\n" + "\n".join(unknown)
+    assert unknown == [], "not a field of dscplan.Plan or CompanionPlan:\n" + "\n".join(unknown)
 
 
 def test_every_plan_field_is_read_unless_by_design():
-    unread = sorted(PLAN_FIELDS - set(plan_reads()) - set(dsc_plan.PLAN_FIELDS_NOT_READ_BY_ROLES))
+    unread = sorted(PLAN_FIELDS - set(plan_reads()) - set(dscplan.PLAN_FIELDS_NOT_READ_BY_ROLES))
     assert unread == [], f"plan fields nothing in roles/, playbooks/ or templates/ reads: {unread}"
-    assert set(dsc_plan.PLAN_FIELDS_NOT_READ_BY_ROLES) <= PLAN_FIELDS
+    assert set(dscplan.PLAN_FIELDS_NOT_READ_BY_ROLES) <= PLAN_FIELDS
 
 
 def test_the_plan_handed_to_ansible_has_the_records_fields_exactly():
     launch, _ = plan(options={}, full_run=True)
     status, _ = plan()
-    assert set(launch) == {f.name for f in dataclasses.fields(dsc_plan.Plan)}
+    assert set(launch) == {f.name for f in dataclasses.fields(dscplan.Plan)}
     assert set(status) == PLAN_FIELDS and status["run"] is None and launch["run"]["id"]
 
 
-DECLARED = dsc_plan.declared_settings(str(ROOT))
+DECLARED = dscplan.declared_settings(str(ROOT))
 
 
 def plan_given(names, extra=(), **settings):
@@ -97,11 +97,11 @@ def plan_given(names, extra=(), **settings):
     as the dsc_plan action hands them over)."""
     hostvars, groups, probes = cluster(2, **settings)
     variables = {h: list(hostvars[h]) + list(names) + list(extra) for h in hostvars}
-    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, variables=variables,
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, variables=variables,
                               extra_vars=set(extra))
 
 
-@pytest.mark.parametrize("retired,current", sorted(dsc_plan.RETIRED_SETTINGS.items()))
+@pytest.mark.parametrize("retired,current", sorted(dscplan.RETIRED_SETTINGS.items()))
 def test_a_retired_setting_is_refused_naming_its_current_name(retired, current):
     p, errors = plan(**{retired: "WARN"})
     assert p is None and errors == [
@@ -116,7 +116,7 @@ def test_an_unknown_setting_is_refused_naming_the_variable_the_host_and_the_fix(
     hostvars, groups, probes = cluster(2)
     hostvars["node2"]["dsc_micro_batchs"] = 4
     hostvars["node2"]["cluster_network_firewal"] = False
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert p is None and errors == [
         "dsc_micro_batchs on host node2 is not a setting: no role declares it (roles/*/meta/argument_specs.yml), "
         "so it would be ignored. Fix: dsc_micro_batch, if that is what you meant, or remove it.",
@@ -130,7 +130,7 @@ def test_an_unknown_setting_is_refused_naming_the_variable_the_host_and_the_fix(
 
 
 def test_every_declared_setting_is_accepted_and_other_prefixes_are_not_looked_at():
-    names = sorted(n for n in DECLARED if n.startswith(dsc_plan.SETTING_PREFIXES))
+    names = sorted(n for n in DECLARED if n.startswith(dscplan.SETTING_PREFIXES))
     assert "dsc_secrets" in names and "dsc_conda_installer_url" in names and "cluster_network_key_dir" in names
     p, errors = plan_given(names + ["__plan_probe", "base_packages_extra", "ansible_host", "preset"],
                            extra=names)
@@ -159,8 +159,8 @@ def toolkit_set_variables():
 
 
 def test_what_the_toolkit_sets_itself_is_never_taken_for_a_setting():
-    ours = {n for n in toolkit_set_variables() if n.startswith(dsc_plan.SETTING_PREFIXES)}
-    assert ours == set(dsc_plan.TOOLKIT_VARIABLES)
+    ours = {n for n in toolkit_set_variables() if n.startswith(dscplan.SETTING_PREFIXES)}
+    assert ours == set(dscplan.TOOLKIT_VARIABLES)
     p, errors = plan_given(sorted(ours))
     assert errors == [], errors
 
@@ -178,7 +178,7 @@ def test_the_shipped_inventories_set_only_declared_settings(inventory):
                 yield k
                 yield from keys(v)
     names = {k for path in (ROOT / inventory).rglob("*.yml")
-             for k in keys(yaml.safe_load(path.read_text())) if str(k).startswith(dsc_plan.SETTING_PREFIXES)}
+             for k in keys(yaml.safe_load(path.read_text())) if str(k).startswith(dscplan.SETTING_PREFIXES)}
     assert names and names <= DECLARED, sorted(names - DECLARED)
 
 
@@ -195,7 +195,7 @@ def test_a_setting_outside_its_choices_is_refused_by_the_argument_spec(name, val
 
 
 def test_the_torch_variants_are_the_spec_choices():
-    assert OPTIONS["dsc_torch_variant"]["choices"] == list(dsc_plan.TORCH_INDEXES)
+    assert OPTIONS["dsc_torch_variant"]["choices"] == list(dscplan.TORCH_INDEXES)
 
 
 def test_versions_default_to_the_pins():
@@ -216,7 +216,7 @@ def test_a_valid_cluster_gives_the_model():
 def test_master_group_moves_a_node_to_rank_zero():
     hostvars, groups, probes = cluster(3)
     groups["master"] = ["node3"]
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert errors == [] and p["node_names"] == ["node3", "node1", "node2"]
 
 
@@ -224,7 +224,7 @@ def test_gpus_give_cuda_bf16_and_the_arch_list():
     hostvars, groups, probes = cluster(2, slots="auto")
     for h in probes:
         probes[h] = probe(hostvars[h]["dsc_addr"], gpus=4, cap="9.0")
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
     assert errors == []
     assert p["world_size"] == 8 and p["accelerator"] == "cuda" and p["cuda_arch_list"] == "9.0"
     assert p["node_env"]["TORCH_CUDA_ARCH_LIST"] == "9.0"
@@ -233,7 +233,7 @@ def test_gpus_give_cuda_bf16_and_the_arch_list():
 
 @pytest.mark.parametrize("caps,expect", [(["7.0"], "fp16"), (["8.0", "9.0"], "bf16"), ([], "fp32")])
 def test_precision_follows_the_oldest_gpu(caps, expect):
-    cfg = dsc_plan.precision("cuda" if caps else "cpu", caps)
+    cfg = dscplan.precision("cuda" if caps else "cpu", caps)
     on = [k for k in ("bf16", "fp16") if cfg[k]["enabled"]]
     assert on == ([] if expect == "fp32" else [expect])
 
@@ -303,20 +303,20 @@ def test_a_cluster_wide_error_is_reported_once_not_per_node():
 def test_a_cluster_wide_setting_that_differs_names_the_nodes():
     hostvars, groups, probes = cluster(3)
     hostvars["node3"]["dsc_install_root"] = "/srv/ds"
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert any(e.startswith("dsc_install_root differs between nodes") and "node3" in e for e in errors), errors
 
 
 def test_duplicate_address_and_address_held_by_no_interface():
     hostvars, groups, probes = cluster(2)
     hostvars["node2"]["dsc_addr"] = "10.0.0.11"
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert any("dsc_addr on host node2 is 10.0.0.11, the same as on host node1" in e for e in errors)
     assert any("dsc_addr on host node2 is 10.0.0.11, which no interface there holds" in e for e in errors)
 
 
 def test_empty_cluster_group_says_so():
-    p, errors = dsc_plan.make_plan({}, {"cluster": []}, {}, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan({}, {"cluster": []}, {}, DEFAULTS, PATHS)
     assert p is None and "the group 'cluster' is empty or missing" in errors[0]
 
 
@@ -349,7 +349,7 @@ def test_entry_args_with_shell_characters_are_refused(arg):
     (2, 4, 32, 4, (2, 4, 32)),
 ])
 def test_batch_arithmetic_derives_the_missing_value(micro, accum, total, world, expect):
-    b = dsc_plan.batch(micro, accum, total, world)
+    b = dscplan.batch(micro, accum, total, world)
     assert (b["micro_batch"], b["grad_accum"], b["train_batch"]) == expect
 
 
@@ -362,7 +362,7 @@ def test_batch_arithmetic_derives_the_missing_value(micro, accum, total, world, 
     ("x", 0, 0, 4, "whole numbers"),
 ])
 def test_inconsistent_batch_settings_name_the_fix(micro, accum, total, world, needle):
-    b = dsc_plan.batch(micro, accum, total, world)
+    b = dscplan.batch(micro, accum, total, world)
     assert needle in b["error"] and "Fix" in b["error"]
 
 
@@ -377,8 +377,8 @@ def test_launch_plan_holds_the_ds_config_files_and_command():
     assert cfg["zero_optimization"]["stage"] == 3 and cfg["gradient_clipping"] == 0.5
     assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (4, 2, 32)
     assert cfg["bf16"] == {"enabled": False} and cfg["optimizer"]["type"] == "AdamW"
-    assert dsc_plan.parse_hostfile(run["files"]["hostfile"]) == [("node1", 2), ("node2", 2)]
-    env = dsc_plan.parse_ds_env(run["files"][".deepspeed_env"])
+    assert dscplan.parse_hostfile(run["files"]["hostfile"]) == [("node1", 2), ("node2", 2)]
+    env = dscplan.parse_ds_env(run["files"][".deepspeed_env"])
     assert env["DSC_RUN_ID"] == run["id"] and env["PATH"].startswith("/opt/dscluster/env/bin:")
     cmd = run["commands"]["node1"]
     assert list(run["commands"]) == ["node1"]  # pdsh: one launcher, on the master
@@ -394,7 +394,7 @@ def test_code_archive_holds_the_code_without_caches(tmp_path):
     (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
     (tmp_path / "pkg" / "train.py").write_text("print('hi')\n")
     (tmp_path / "pkg" / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"x")
-    data = base64.b64decode(dsc_plan.code_archive(tmp_path / "pkg"))
+    data = base64.b64decode(dscplan.code_archive(tmp_path / "pkg"))
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         names = tar.getnames()
     assert "./train.py" in names and not any("__pycache__" in n for n in names)
@@ -423,7 +423,7 @@ def firewalled(os_ids=("debian",), ufw=False, firewalld=False, firewall=True, **
     hostvars, groups, probes = cluster(**settings)
     for p in probes.values():
         p["firewalls"] = {"os": list(os_ids), "ufw": ufw, "firewalld": firewalld}
-    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, firewall=firewall)
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, firewall=firewall)
 
 
 def test_firewall_settings_reach_the_plan_checked():
@@ -519,7 +519,7 @@ RESUMABLE = [{"id": "r1", "mtime": 1, "started": True, "active": False,
 def resume_with_e(options, runs=RESUMABLE):
     """resume.yml with `options` given with -e (resume itself is the playbook's)."""
     hostvars, groups, probes = cluster(2, runs=runs)
-    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, dict(options, resume=True),
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, dict(options, resume=True),
                               now="20261130-000000", full_run=True, extra_vars=set(options))
 
 
@@ -529,7 +529,7 @@ def test_resume_refuses_each_option_only_a_launch_applies_naming_it():
               "dsc_ds_config_file": "/srv/ds.json", "dsc_ds_config_arg": "--deepspeed", "dsc_tensorboard": True,
               "dsc_train_config": {"steps": 100}, "dsc_model_shape": {"layers": 2}, "dsc_auto_memory_gib": 40,
               "dsc_code_shared": True, "dsc_code_dir": str(ROOT / "train")}
-    assert set(values) == set(dsc_plan.LAUNCH_ONLY) | {"dsc_code_dir"}
+    assert set(values) == set(dscplan.LAUNCH_ONLY) | {"dsc_code_dir"}
     for name, value in values.items():
         p, errors = resume_with_e({name: value})
         fixed = [e for e in errors if e.startswith(f"{name} given with -e on resume")]
@@ -553,7 +553,7 @@ def test_resume_takes_the_options_it_applies_and_launch_only_ones_from_the_inven
     assert "--no_local_rank" in p["run"]["commands"]["node1"]
     # set in the inventory (the launches' defaults), not asked of this resume: the run's own are kept
     hostvars, groups, probes = cluster(2, runs=RESUMABLE)
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS,
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS,
                                    {"resume": True, "preset": "zero1", "dsc_micro_batch": 8,
                                     "dsc_train_config": {"steps": 5}}, full_run=True, extra_vars=set())
     assert errors == [] and p["run"]["preset"] == "zero3" and p["run"]["batch"]["micro_batch"] == 4
@@ -585,23 +585,23 @@ def test_status_stop_and_logs_act_on_the_active_run_else_on_none():
 ])
 def test_hostfile_parsing_follows_deepspeed(text, needle):
     if needle is None:
-        assert dsc_plan.parse_hostfile(text) == [("a", 1), ("b", 2)]
+        assert dscplan.parse_hostfile(text) == [("a", 1), ("b", 2)]
     else:
         with pytest.raises(ValueError, match=needle):
-            dsc_plan.parse_hostfile(text)
+            dscplan.parse_hostfile(text)
 
 
 @pytest.mark.parametrize("text,needle", [("A=1\n\nB=2\n", "no '='"), ("# c\n", "no '='"),
                                          ("export A=1\n", "not a plain variable name")])
 def test_env_file_lines_that_break_deepspeed_are_refused(text, needle):
     with pytest.raises(ValueError, match=needle):
-        dsc_plan.parse_ds_env(text)
+        dscplan.parse_ds_env(text)
 
 
 def test_every_preset_file_merges_into_a_complete_config():
     sizes = {"micro_batch": 1, "grad_accum": 1, "train_batch": 2}
-    for name in dsc_plan.presets(PATHS["templates"]):
-        cfg = dsc_plan.ds_config(PATHS["templates"], name, "cpu", [], sizes, {})
+    for name in dscplan.presets(PATHS["templates"]):
+        cfg = dscplan.ds_config(PATHS["templates"], name, "cpu", [], sizes, {})
         assert "zero_optimization" in cfg and cfg["train_batch_size"] == 2, name
 
 
@@ -610,14 +610,14 @@ def test_a_preset_added_as_a_file_is_offered(tmp_path):
     for f in (ROOT / "templates" / "ds_config").glob("*.json"):
         (tmp_path / "ds_config" / f.name).write_text(f.read_text())
     (tmp_path / "ds_config" / "mine.json").write_text('{"zero_optimization": {"stage": 1}}')
-    assert "mine" in dsc_plan.presets(tmp_path)
+    assert "mine" in dscplan.presets(tmp_path)
 
 
 def test_status_plans_around_an_unreachable_node():
     hostvars, groups, probes = cluster(2, slots="auto")
     probes["node1"] = probe("10.0.0.11", gpus=1)
     del probes["node2"]
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {})
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {})
     assert errors == [] and not p["node"]["node2"]["reachable"] and p["node"]["node1"]["reachable"]
 
 
@@ -625,7 +625,7 @@ def test_one_machine_under_two_names_is_refused():
     hostvars, groups, probes = cluster(2)
     for h in hostvars:
         hostvars[h]["ansible_host"] = "192.0.2.7"
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert any("ansible_host on host node2 is 192.0.2.7 (port 22), the same machine as host node1" in e
                for e in errors), errors
 
@@ -737,18 +737,18 @@ def gpu_cluster(gpus_per_node, selections):
 
 def test_gpus_chosen_per_node_reach_the_launcher_as_include():
     hostvars, groups, probes = gpu_cluster(4, [[1, 3], None])
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
     assert errors == []
     assert p["world_size"] == 6 and p["node"]["node1"]["gpu_ids"] == [1, 3]
     cmd = p["run"]["commands"]["node1"]
     assert cmd[cmd.index("--include") + 1] == "node1:1,3@node2:0,1,2,3"
     # DeepSpeed counts a node's GPUs from 0 in the hostfile; --include picks 1 and 3 of them.
-    assert dsc_plan.parse_hostfile(p["run"]["files"]["hostfile"]) == [("node1", 4), ("node2", 4)]
+    assert dscplan.parse_hostfile(p["run"]["files"]["hostfile"]) == [("node1", 4), ("node2", 4)]
 
 
 def test_no_include_without_a_selection():
     hostvars, groups, probes = gpu_cluster(2, [None, None])
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
     assert errors == [] and "--include" not in p["run"]["commands"]["node1"]
 
 
@@ -761,7 +761,7 @@ def test_no_include_without_a_selection():
 def test_a_bad_gpu_selection_is_refused(chosen, slots, needle):
     hostvars, groups, probes = gpu_cluster(4, [chosen, None])
     hostvars["node1"]["dsc_slots"] = slots
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert p is None and any(needle in e for e in errors), errors
 
 
@@ -797,7 +797,7 @@ def test_accelerate_gets_the_config_through_its_own_variables():
     p, errors = plan(options={"dsc_ds_config_mode": "hf", "dsc_ds_config_arg": "env"}, full_run=True)
     assert errors == []
     run = p["run"]
-    env = dsc_plan.parse_ds_env(run["files"][".deepspeed_env"])
+    env = dscplan.parse_ds_env(run["files"][".deepspeed_env"])
     assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
     assert env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == f"{run['dir']}/ds_config.json"
     assert not any(a.startswith("--deepspeed") for a in run["commands"]["node1"])
@@ -920,7 +920,7 @@ def test_secrets_reach_the_plan_by_name_only():
     hostvars, groups, probes = cluster(2)
     hostvars["node1"]["dsc_secrets"] = {"HF_TOKEN": "one-value"}
     hostvars["node2"]["dsc_secrets"] = {"HF_TOKEN": "other-value"}
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert any("dsc_secrets differs between nodes (node1; node2)" in e for e in errors), errors
     assert not any("one-value" in e or "other-value" in e for e in errors)
 
@@ -958,19 +958,19 @@ def test_plot_runs_must_be_runs_on_the_master():
 def test_a_run_id_whose_directory_is_a_symbolic_link_on_any_node_is_refused():
     hostvars, groups, probes = cluster(2)
     probes["node2"]["run_root_links"] = ["zero2-20261130-000000"]  # planted at the next default id
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, now="20261130-000000",
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, now="20261130-000000",
                                    full_run=True)
     assert any("run_id 'zero2-20261130-000000': /opt/dscluster/runs/zero2-20261130-000000 on node2 is a "
                "symbolic link" in e and "another run_id" in e for e in errors), errors
 
 
 def test_jinja_in_an_extra_var_is_refused_wherever_it_hides():
-    problems = dsc_plan.literal_extra_vars({
+    problems = dscplan.literal_extra_vars({
         "run_id": "{{ lookup('pipe', 'id') }}", "preset": "zero2",
         "dsc_train_config": {"steps": 5, "data_path": "{% raw %}x"}, "dsc_entry_args": ["--a", "{# c #}"]})
     assert [p.split(" holds")[0] for p in problems] == ["run_id", "dsc_train_config.data_path", "dsc_entry_args[1]"]
     assert all("Fix: pass the plain value" in p for p in problems)
-    assert dsc_plan.literal_extra_vars({"run_id": "r1", "x": {"y": [1, "z"]}}) == []
+    assert dscplan.literal_extra_vars({"run_id": "r1", "x": {"y": [1, "z"]}}) == []
 
 
 # A '#jinja2:' header sets the delimiters of the rest: none of Jinja's defaults need appear.
@@ -1004,8 +1004,8 @@ def test_a_jinja2_header_is_refused_as_ansible_would_evaluate_it():
                                                     "variable_end_string:'%]'\n[% 7*7 %]")) == 49
     for text in HEADERS:
         assert is_template(text)
-        assert [p.split(" holds")[0] for p in dsc_plan.literal_extra_vars({"preset": text})] == ["preset"]
-        assert [p.split(" holds")[0] for p in dsc_plan.literal_extra_vars(
+        assert [p.split(" holds")[0] for p in dscplan.literal_extra_vars({"preset": text})] == ["preset"]
+        assert [p.split(" holds")[0] for p in dscplan.literal_extra_vars(
             {"dsc_train_config": {"data": [text]}})] == ["dsc_train_config.data[0]"]
 
 
@@ -1019,10 +1019,10 @@ def test_every_string_ansible_treats_as_a_template_is_refused():
     corpus |= set(HEADERS) | {" #jinja2:x\n", "\n{{ 1 }}", "{ {", "%}", "}}", "#}"}
     templates = [text for text in sorted(corpus) if is_template(text)]
     assert len(templates) > 500
-    missed = [text for text in templates if not dsc_plan.templates_in(text, "v")]
+    missed = [text for text in templates if not dscplan.templates_in(text, "v")]
     assert missed == []
-    assert dsc_plan.templates_in("[% x %]", "v", lambda text: text.startswith("[%")) == ["v"]
-    assert not dsc_plan.templates_in("zero2", "v", templar.is_possibly_template)
+    assert dscplan.templates_in("[% x %]", "v", lambda text: text.startswith("[%")) == ["v"]
+    assert not dscplan.templates_in("zero2", "v", templar.is_possibly_template)
 
 
 def gpus_of(memory_mib, n=1, gpus=1):
@@ -1035,7 +1035,7 @@ def gpus_of(memory_mib, n=1, gpus=1):
 
 def auto_plan(memory_mib, options, n=1, gpus=1):
     hostvars, groups, probes = gpus_of(memory_mib, n, gpus)
-    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, options, now="20261130-000000",
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, options, now="20261130-000000",
                               full_run=True)
 
 
@@ -1121,7 +1121,7 @@ def with_end(name, end):
 
 
 # A secret's value may hold anything (only its name is checked: test_control_characters_in_names_are_refused_too).
-EVERY_SETTING = [n for n in OPTIONS if n not in dsc_plan.JSON_ONLY + dsc_plan.SECRET_SETTINGS]
+EVERY_SETTING = [n for n in OPTIONS if n not in dscplan.JSON_ONLY + dscplan.SECRET_SETTINGS]
 
 
 @pytest.mark.parametrize("end", HOSTILE_ENDS, ids=["LF", "CR", "NUL"])
@@ -1130,7 +1130,7 @@ def test_every_setting_with_a_line_end_or_nul_is_refused_naming_it(name, end):
     """Whatever the setting (inventory or -e), a trailing newline, a carriage return or a NUL in
     any of its strings is refused before any node changes, the message naming it and the fix."""
     value = with_end(name, end)
-    if name in dsc_plan.RUN_OPTIONS:
+    if name in dscplan.RUN_OPTIONS:
         p, errors = plan(options={name: value}, full_run=True)
     else:
         p, errors = plan(**{name: value})
@@ -1184,7 +1184,7 @@ def test_json_only_values_and_secret_values_may_hold_line_ends():
 def test_every_check_matches_the_whole_string(monkeypatch, settings, options, needle):
     """Each setting's own check, without the control-character pass in front of it: `$` took a
     trailing newline, fullmatch does not."""
-    monkeypatch.setattr(dsc_plan, "control_characters", lambda *a: None)
+    monkeypatch.setattr(dscplan, "control_characters", lambda *a: None)
     p, errors = plan(options=options, full_run=options is not None, **settings)
     assert p is None and any(needle in e for e in errors), errors
     assert all("Fix:" in e for e in errors), errors
@@ -1239,7 +1239,7 @@ def test_directories_of_their_own_under_shared_roots_are_accepted(settings):
     hostvars, groups, probes = cluster(2, **settings)
     for pr in probes.values():
         pr["existing_python"] = owned(settings.get("dsc_existing_python", ""))
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert errors == [], errors
 
 
@@ -1260,7 +1260,7 @@ def existing_plan(reports):
     for node, report in zip(probes, reports, strict=True):
         if report is not None:
             probes[node]["existing_python"] = report
-    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
 
 
 def test_an_existing_interpreter_runs_as_root_only_when_it_is_roots_alone():
@@ -1308,7 +1308,7 @@ def test_a_training_address_is_an_ipv4_address_of_one_node(node1, needle):
     hostvars, groups, probes = cluster(2)
     hostvars["node1"].update(node1)
     hostvars["node1"] = {k: v for k, v in hostvars["node1"].items() if v is not None}
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
     assert p is None and any(needle in e and "Fix:" in e for e in errors), errors
 
 
@@ -1327,13 +1327,13 @@ def test_resume_gives_the_ranks_the_runs_own_secrets_or_refuses_naming_them():
     in the launcher's environment, which the supervisor's restarts keep); gone on a node, or
     given again without one of them, resume refuses naming the secrets, before any change."""
     hostvars, groups, probes = secrets_run(["WANDB_API_KEY"])
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
     assert errors == [] and p["run"]["id"] == "r1" and p["run"]["env"]["DSC_SECRETS"] == "1"
     assert p["secret_names"] == []  # nothing written anew: the run's own file is used
     assert p["run"]["secrets_file"] == "/opt/dscluster/runs/.secrets/r1.json"
 
     hostvars, groups, probes = secrets_run(["WANDB_API_KEY"], on=("node1",))
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
     assert p is None and any(
         "dsc_secrets: run 'r1' was launched with WANDB_API_KEY, and its secrets file "
         "(/opt/dscluster/runs/.secrets/r1.json) is gone on node2" in e and "Fix: give dsc_secrets again" in e
@@ -1342,16 +1342,16 @@ def test_resume_gives_the_ranks_the_runs_own_secrets_or_refuses_naming_them():
     hostvars, groups, probes = secrets_run(["HF_TOKEN", "WANDB_API_KEY"])
     for hv in hostvars.values():
         hv["dsc_secrets"] = {"HF_TOKEN": "x"}
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
     assert p is None and any("leaves out WANDB_API_KEY" in e and "Fix: give every one of them" in e
                              for e in errors), errors
     for hv in hostvars.values():
         hv["dsc_secrets"] = {"HF_TOKEN": "x", "WANDB_API_KEY": "y"}
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
     assert errors == [] and p["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"]  # written anew
 
     hostvars, groups, probes = secrets_run([], on=())  # a run without secrets: nothing to load
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
     assert errors == [] and "DSC_SECRETS" not in p["run"]["env"]
 
 
@@ -1362,7 +1362,7 @@ def test_a_launch_records_its_secret_names_never_their_values():
 
 
 def test_the_plans_secrets_path_is_the_node_helpers():
-    assert str(secrets_file("/opt/dscluster/runs/r1")) == dsc_plan.secrets_path("/opt/dscluster/runs", "r1")
+    assert str(secrets_file("/opt/dscluster/runs/r1")) == dscplan.secrets_path("/opt/dscluster/runs", "r1")
 
 
 GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 24, "n_embd": 2048,
@@ -1502,7 +1502,7 @@ def test_no_step_down_where_the_launchers_run_apart_and_said_so(tmp_path):
     hostvars, groups, probes = gpus_of(143771, n=2)
     for hv in hostvars.values():
         hv["dsc_launch_mode"] = "no_ssh"
-    p, errors = dsc_plan.make_plan(hostvars, groups, probes, dict(DEFAULTS, dsc_launch_mode="no_ssh"), PATHS,
+    p, errors = dscplan.make_plan(hostvars, groups, probes, dict(DEFAULTS, dsc_launch_mode="no_ssh"), PATHS,
                                    users_code(tmp_path, shape), now="20261130-000000", full_run=True)
     assert errors == [], errors
     assert "auto.json" not in p["run"]["files"]
@@ -1523,7 +1523,7 @@ def test_a_measured_peak_over_the_prediction_scales_a_later_auto_of_the_same_cod
     hostvars, groups, probes = gpus_of(143771)
     probes["node1"]["runs"] = [{"id": "zero1-earlier", "mtime": 1.0, "started": True, "active": False,
                                 "finished": False, "launch": {}, "memory": record}]
-    later, errors = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts,
+    later, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts,
                                        now="20261130-000001", full_run=True)
     assert errors == [], errors
     lines = later["run"]["auto"]
@@ -1535,11 +1535,11 @@ def test_a_measured_peak_over_the_prediction_scales_a_later_auto_of_the_same_cod
                for line in lines), lines
     # within 5 % the model is trusted; another model (a corrected shape) has another key
     probes["node1"]["runs"][0]["memory"] = dict(record, ratio=1.03, measured=int(memory["predicted"] * 1.03))
-    again, _ = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts, now="20261130-000002", full_run=True)
+    again, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts, now="20261130-000002", full_run=True)
     assert again["run"]["batch"]["micro_batch"] == 16
     probes["node1"]["runs"][0]["memory"] = record
     other = dict(opts, dsc_model_shape={"attention": "eager", "dropout": 0, "activation": "gelu"})
-    fixed, _ = dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, other, now="20261130-000003", full_run=True)
+    fixed, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, other, now="20261130-000003", full_run=True)
     assert not any("measured before" in line or "x1.44" in line for line in fixed["run"]["auto"])
 
 
@@ -1574,7 +1574,7 @@ def root_paths(*extra):
 def plan_with_paths(report, full_run=False, **settings):
     hostvars, groups, probes = cluster(1, **settings)
     probes["node1"]["root_paths"] = report
-    return dsc_plan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, now="20261130-000000",
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, now="20261130-000000",
                               full_run=full_run, check_dir=lambda p: True)
 
 

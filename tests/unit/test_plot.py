@@ -1,10 +1,11 @@
 """plugins/module_utils/dsc_plot.py: a real PNG from runs' histories (matplotlib, no node); a resumed run's
 replayed steps drawn once, in step order."""
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import dsc_plot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,10 +26,7 @@ def test_two_runs_make_one_png_with_both(tmp_path):
 
 
 def load_plot():
-    spec = importlib.util.spec_from_file_location("dsc_plot", ROOT / "plugins" / "module_utils" / "dsc_plot.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return dsc_plot
 
 
 def test_a_resumed_runs_replayed_steps_draw_one_line_in_step_order_with_the_latest_records():

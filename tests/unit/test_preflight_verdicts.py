@@ -1,31 +1,24 @@
 """The control node's verdicts and tables (plugins/filter/): preflight rows from what nodes
 report, runs.yml's table, follow's lines and how a followed run ended, logs.yml's headers."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from dscnode import checks
+from plugins.callback import dsc_progress
+from plugins.filter import cluster
+from plugins.filter import preflight
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("preflight_filters", ROOT / "plugins" / "filter" / "preflight.py")
-preflight = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(preflight)
 
 
 def cluster_filters():
-    spec = importlib.util.spec_from_file_location("cluster_filters", ROOT / "plugins" / "filter" / "cluster.py")
-    filters = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(filters)
-    return filters
+    return cluster
 
 
 def progress_callback():
-    spec = importlib.util.spec_from_file_location("dsc_progress", ROOT / "plugins" / "callback" / "dsc_progress.py")
-    cb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cb)
-    return cb
+    return dsc_progress
 
 
 def test_iperf_totals_become_gbit_per_s():

@@ -1,42 +1,25 @@
-"""Per-GPU memory prediction for the plan (control node): train/memory.py, loaded by its path.
+"""Per-GPU memory prediction for the plan (control node): train/memory.py's formula, with the
+model's shape from train.run's config or from an HF config.json.
 
 The formula lives in one place, train/memory.py, because train/ is what runs on the nodes (a copy
 of train/ travels with every run) and train/run.py prints the same prediction there. This module
-loads that file under a private name (no sys.path change, no torch, no DeepSpeed) and re-exports
-it, so that `import dsc_memory` works wherever `import dsc_plan` does:
+imports it as `train.memory` (pure Python: no torch, no DeepSpeed) and re-exports it:
 
-    shape = dsc_memory.model_shape(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=2048)
-    dsc_memory.predict(shape, "zero2", micro_batch=8, world=1, gpus_per_node=1)["total"]
+    shape = memory.model_shape(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=2048)
+    memory.predict(shape, "zero2", micro_batch=8, world=1, gpus_per_node=1)["total"]
 
 See train/memory.py for the parts and docs/memory.md for the measured check.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
-_NAME = "dsc_train_memory"
-_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train", "memory.py")
-
-
-def _load_file(name, path):
-    """A file of train/ as a module under a private name (loaded once)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.normpath(path))
-        if spec is None or spec.loader is None:
-            raise ImportError(f"dsc_memory: cannot load {os.path.normpath(path)}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from train import config
+from train import memory as _memory
 
 
 def train_shape(train_config: dict) -> tuple[dict, bool]:
     """(shape, activation checkpointing) of train.run's model for a dsc_train_config (its
-    defaults for what is not given; train/config.py, loaded by its path). ValueError names an
+    defaults for what is not given; train/config.py). ValueError names an
     unknown key or size."""
-    config = _load_file("dsc_train_config", os.path.join(os.path.dirname(_PATH), "config.py"))
     known = {f.name for f in config.fields(config.Config)}
     unknown = sorted(set(train_config) - known)
     if unknown:
@@ -132,7 +115,6 @@ def hf_config_shape(cfg: dict) -> tuple[dict, list]:
     return out, notes
 
 
-_memory = _load_file(_NAME, _PATH)
 GiB = _memory.GiB
 OVERHEAD_BYTES = _memory.OVERHEAD_BYTES
 ACTIVATIONS = _memory.ACTIVATIONS

@@ -1,0 +1,224 @@
+"""The plan: the one place that validates the inventory and the run options and derives everything
+the roles apply. Pure Python (no Ansible import), so that every check is unit-tested in seconds:
+
+    python3 -m pytest tests/unit          # the checks, the batch arithmetic, the launcher command
+
+plugins/action/dsc_plan.py feeds it (each node's inventory values, what each node's probe saw,
+the run options) and hands the result to every later play as `dsc_plan`. Inputs:
+
+    hostvars  {node: {variable: value}}   inventory values as Ansible resolved them for that node
+                                          (unset ones absent: defaults come from `defaults`)
+    groups    {"cluster": [...], "master": [...]}
+    probes    {node: what `dsc_node.pyz probe` printed}: gpus, interfaces, infiniband, runs
+    defaults  {variable: default}         roles/plan/meta/argument_specs.yml's defaults
+    paths     {"repo": ..., "templates": ...} on the control node
+    variables {node: [names]}             every variable name a node has (undeclared settings)
+    extra_vars {names}                    the names given with -e (a resume refuses LAUNCH_ONLY)
+
+make_plan's plan is asdict() of a Plan (launch, resume, preflight) or a CompanionPlan (the other
+playbooks): those records declare every key the roles read.
+
+Every problem comes back at once, each naming the variable, the host and the fix; a value that
+must be the same on every node is reported once, not once per node.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+from dscnode import INSTALLED_PATH
+
+from .deepspeed_config import batch, ds_config, precision, presets
+from .packages import _lock, _requirements, existing_owner, node_helper, pip_sources
+from .problems import Problems
+from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan
+from .rendered import _env_paths, code_archive, parse_ds_env, parse_hostfile
+from .run import LAUNCH_ONLY, _plot_runs, _run, run_reference, secrets_path
+from .settings import (
+    CLUSTER_GROUP,
+    CLUSTER_SETTINGS,
+    JSON_ONLY,
+    NODE_SETTINGS,
+    RETIRED_SETTINGS,
+    RUN_OPTIONS,
+    SECRET_SETTINGS,
+    SETTING_PREFIXES,
+    TOOLKIT_VARIABLES,
+    TORCH_INDEXES,
+    _check_settings,
+    _cluster_settings,
+    _data,
+    _ssh_source,
+    as_bool,
+    control_characters,
+    declared_settings,
+    ip_network,
+    literal_extra_vars,
+    load_defaults,
+    read_pins,
+    root_path_problems,
+    secret_names,
+    templates_in,
+    undeclared_settings,
+)
+from .topology import _firewall_backends, _nodes, node_order, training_address
+
+# What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
+__all__ = ["_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
+
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
+              check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False,
+              variables=None, extra_vars=()):
+    """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
+    are the run options; `full_run` (launch, resume) derives the whole run, else only which run
+    status, stop and logs act on; `firewall` (provision) refuses a node whose firewall the
+    toolkit would not manage alone. `variables` ({node: the names of its variables}; default
+    hostvars' own) and `extra_vars` (the names given with -e) find undeclared settings, and the
+    -e options a resume cannot apply."""
+    problems = Problems()
+    names = node_order(groups)
+    if not names:
+        return None, [f"inventory: the group '{CLUSTER_GROUP}' is empty or missing. Fix: list "
+                      f"your nodes under 'all: children: {CLUSTER_GROUP}: hosts:' (see "
+                      f"inventory/example/hosts.yml), and check the -i path."]
+    control_characters(hostvars, names, options, problems)
+    undeclared_settings(variables if variables is not None else {n: list(hostvars.get(n) or {}) for n in names},
+                        extra_vars, declared_settings(paths["repo"]), problems)
+    s = _cluster_settings(hostvars, defaults, names, problems)
+    _check_settings(s, names[0], problems, check_dir)
+    torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
+    lock = _lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
+    data = _data(s, f"on host {names[0]}", problems, check_dir)
+    secrets = secret_names(hostvars, names, problems)
+    nodes = _nodes(names, hostvars, defaults, probes, problems)
+    _firewall_backends(nodes, probes, s, firewall, problems)
+    for node in nodes:
+        # The control node itself (a local connection, the one-node default): dsc_data_dir there is
+        # the source, never created, changed or synced (launch skips it on this node).
+        node["local"] = str((hostvars.get(node["name"]) or {}).get("ansible_connection") or "") == "local"
+        if node["reachable"]:
+            for message in root_path_problems(
+                    node["name"], (probes.get(node["name"]) or {}).get("root_paths"), str(s["dsc_train_user"]),
+                    data=full_run and not as_bool(s["dsc_data_shared"]) and not node["local"]):
+                problems.add(message)
+    for node in nodes:
+        if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}) \
+                and not training_address(node["name"], hostvars.get(node["name"]) or {})[1]:
+            seen = ", ".join(a for addrs in ((probes.get(node["name"]) or {}).get("interfaces")
+                                             or {}).values() for a in addrs or [])
+            problems.add(f"dsc_addr on host {node['name']} is {node['addr']}, which no interface "
+                         f"there holds. Fix: set dsc_addr to an address of this node ({seen}).")
+    env_owner = None
+    if s["dsc_env_manager"] == "existing" and not any(
+            m.startswith("dsc_existing_python") for m in problems.messages):
+        owners = {}
+        for node in nodes:
+            if node["reachable"]:
+                owner, problem = existing_owner(node["name"], str(s["dsc_existing_python"]),
+                                                (probes.get(node["name"]) or {}).get("existing_python"))
+                if problem:
+                    problems.add(problem)
+                else:
+                    owners.setdefault(owner, []).append(node["name"])
+        if len(owners) > 1:
+            detail = "; ".join(f"{o} on {', '.join(h)}" for o, h in owners.items())
+            problems.add(f"dsc_existing_python is {s['dsc_existing_python']!r}, owned by {detail}: it "
+                         f"runs as its owner, who must be the same on every node. Fix: the same "
+                         f"ownership everywhere (root's, or one user's).")
+        env_owner = next(iter(owners), "root")
+    if problems.messages:
+        if full_run:  # the run options' own problems too, all at once
+            partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
+                       "master": names[0], "world_size": None}
+            runs = (probes.get(names[0]) or {}).get("runs") or []
+            _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active, extra_vars)
+        else:
+            problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
+            if problem:
+                problems.add(problem)
+        return None, problems.messages
+
+    helper_src, helper_sha256 = node_helper(paths["repo"])
+    install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
+    prefix, python = _env_paths(s, install_root)
+    cache_dir = f"{install_root}/cache"
+    accelerator = "cuda" if all(n["gpus"] > 0 for n in nodes) else "cpu"
+    caps = sorted({c for n in nodes for c in n["compute_caps"]})
+    # The environment every DeepSpeed process on a node needs (op builds, probes, ranks): the
+    # env's PATH, the accelerator, node-local caches (JIT builds race on a shared filesystem),
+    # and the arch list read from the GPUs (an image's "9.0a" breaks DeepSpeed's op builder).
+    node_env = {"PATH": f"{prefix}/bin:{SYSTEM_PATH}", "DS_ACCELERATOR": accelerator,
+                "TORCH_EXTENSIONS_DIR": f"{cache_dir}/torch_extensions",
+                "TRITON_CACHE_DIR": f"{cache_dir}/triton"}
+    if caps:
+        node_env["TORCH_CUDA_ARCH_LIST"] = ";".join(caps)
+    ifaces = ",".join(dict.fromkeys(n["iface"] for n in nodes))
+    rank_env = dict(node_env, NCCL_SOCKET_IFNAME=ifaces, GLOO_SOCKET_IFNAME=ifaces,
+                    NCCL_IB_DISABLE="0" if all(n["infiniband"] for n in nodes) else "1",
+                    NCCL_DEBUG=str(s["dsc_nccl_debug"]),
+                    DEEPSPEED_TIMEOUT=str(s["dsc_pg_timeout_min"]))
+    rank_env.update({str(k): str(v) for k, v in (s["dsc_rank_env"] or {}).items()})
+    if secrets:  # the entry shim loads them from a 0600 file beside the run directory
+        rank_env["DSC_SECRETS"] = "1"
+    manager = s["dsc_env_manager"]
+    wheelhouse = str(s["dsc_wheelhouse"] or "")
+    plan = Plan(
+        cluster_name=str(s["dsc_cluster_name"]),
+        nodes=nodes, node={n["name"]: n for n in nodes},
+        node_names=[n["name"] for n in nodes], addrs=[n["addr"] for n in nodes],
+        master=nodes[0]["name"], master_addr=nodes[0]["addr"], num_nodes=len(nodes),
+        world_size=sum(n["slots"] for n in nodes),
+        ssh_ports=sorted({n["ssh_port"] for n in nodes}),
+        accelerator=accelerator, cuda_arch_list=";".join(caps),
+        env_manager=manager, install_root=install_root,
+        run_root=str(s["dsc_run_root"] or f"{install_root}/runs").rstrip("/"),
+        cache_dir=cache_dir, torch_extensions_dir=node_env["TORCH_EXTENSIONS_DIR"],
+        env_prefix=prefix, python=python,
+        pip="" if manager == "existing" else f"{prefix}/bin/pip",
+        # An existing interpreter runs only as its one owner, or root when it is root's alone
+        # (existing_owner).
+        env_owner=env_owner if manager == "existing" else str(s["dsc_train_user"]),
+        install_packages=manager != "existing" or as_bool(s["dsc_existing_install"]),
+        manage_packages=as_bool(s["dsc_manage_packages"]),
+        train_user=str(s["dsc_train_user"]),
+        python_version=str(s["dsc_python_version"]),
+        torch_version=str(s["dsc_torch_version"]),
+        torch_variant=str(s["dsc_torch_variant"]),
+        deepspeed_version=str(s["dsc_deepspeed_version"]),
+        conda_env_name=str(s["dsc_conda_env_name"]),
+        conda_installer_file=str(s["dsc_conda_installer_file"] or ""),
+        conda_installer_sha256=str(s["dsc_conda_installer_sha256"] or ""),
+        conda_accept_tos=as_bool(s["dsc_conda_accept_tos"]),
+        wheelhouse=wheelhouse, node_wheelhouse=f"{install_root}/wheelhouse",
+        torch_requirements=torch_requirements, requirements=requirements,
+        data_dir=data["dir"], data_shared=data["shared"], secret_names=secrets,
+        **pip_sources(f"{install_root}/wheelhouse" if wheelhouse else "", str(s["dsc_pip_index_url"] or ""),
+                      TORCH_INDEXES.get(s["dsc_torch_variant"], "")),
+        lock=lock or {}, locked=bool(lock),
+        master_port_first=int(s["dsc_master_port"]),
+        master_port_last=int(s["dsc_master_port_last"]),
+        launch_mode=s["dsc_launch_mode"],
+        firewall=as_bool(s["cluster_network_firewall"]),
+        ssh_sources=s["cluster_network_ssh_sources"],
+        node_env=node_env, rank_env=rank_env,
+        helper=INSTALLED_PATH, helper_src=helper_src, helper_sha256=helper_sha256,
+        runs=(probes.get(nodes[0]["name"]) or {}).get("runs") or [],
+        run=None,
+    )
+    options = options or {}
+    if full_run:
+        plan.run = _run(asdict(plan), s, options, defaults, paths, problems, plan.runs, now,
+                        refuse_active, extra_vars)
+    else:
+        run_id, run_dir, problem = run_reference(str(options.get("run_id") or ""), plan.runs, plan.run_root)
+        if problem:
+            problems.add(problem)
+        plan = CompanionPlan(**vars(plan), run_id=run_id, run_dir=run_dir,
+                             plot_runs=_plot_runs(options.get("plot_runs") or [], run_id, plan, problems))
+    if problems.messages:
+        return None, problems.messages
+    return asdict(plan), []

@@ -1,0 +1,27 @@
+"""The plan's problems: every message collected once, in order, and how a message shows a value."""
+from __future__ import annotations
+
+import re
+
+
+class Problems:
+    """Error messages, in order, each once."""
+
+    def __init__(self):
+        self.messages = []
+
+    def add(self, message):
+        if message not in self.messages:
+            self.messages.append(message)
+
+
+def shown(value):
+    """A value as a message shows it: numbers plain (-e gives them as strings), the rest quoted."""
+    return str(int(value)) if _is_int(value) else repr(value)
+
+
+def _is_int(value):
+    """A whole number, or its decimal digits alone (-e gives numbers as strings): nothing around
+    them, no other digits than 0-9."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value) is not None)

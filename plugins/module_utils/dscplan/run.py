@@ -1,0 +1,417 @@
+"""The run: its id and directory, the run options, what a resume refuses, the entry and launcher
+arguments, the secrets, and the commands the launch role runs."""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+from pathlib import Path
+
+from dscnode.rundir import SECRETS_DIR, RunDir
+
+from .auto import _auto_preset, _memory_record, _step_down
+from .deepspeed_config import _run_sections, batch, compose_config, precision, presets, read_user_config
+from .problems import _is_int
+from .rendered import _rendered, code_archive
+from .settings import DS_ENV_SAFE, RUN_OPTIONS, _abs_path, as_bool
+
+CONFIG_MODES = ("preset", "file", "hf", "none")
+# How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
+# --deepspeed_config (deepspeed.add_config_arguments), HF Trainer scripts --deepspeed; "env" hands
+# it to accelerate (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE), as `accelerate
+# launch` would.
+CONFIG_ARGS = {"preset": "--deepspeed_config", "file": "--deepspeed_config", "hf": "--deepspeed", "none": ""}
+# What a run was launched with, written to its launch.json: resume.yml and restarts start exactly
+# the same command (the user's entry point and arguments, the preset, the batch) from it.
+LAUNCH_SPEC = (
+    "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
+    "dsc_code_dir", "dsc_code_shared", "dsc_entry_module", "dsc_entry_script", "dsc_entry_args",
+    "dsc_train_config", "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg",
+    "dsc_resume_args", "dsc_launcher_args",
+)
+# Run options that only a launch applies: they shape the files and code written into the run
+# directory then (ds_config.json, train.json, .deepspeed_env, memory.json, code/), which a resume
+# keeps as they are; resume refuses them given with -e. dsc_code_dir too, unless the code is on a
+# shared filesystem (run from there, not copied). What a resume does apply: the entry point and
+# its arguments, resume and launcher arguments, restarts, stall handling, follow, preflight.
+LAUNCH_ONLY = (
+    "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
+    "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_tensorboard",
+    "dsc_train_config", "dsc_model_shape", "dsc_auto_memory_gib", "dsc_code_shared",
+)
+# DeepSpeed launcher options a run may add (dsc_launcher_args): flag -> takes a value. The rest
+# (hostfile, include, ports, node rank, ssh) are the plan's.
+LAUNCHER_OPTIONS = {"--bind_cores_to_rank": False, "--bind_core_list": True, "--no_local_rank": False,
+                    "--enable_each_rank_log": True}
+# A resume argument the node helper replaces with the newest path matching the glob, relative to
+# the run's working directory (dropped, with the option before it, while there is none).
+LATEST = re.compile(r"\{latest:[\w@%+=:,./*?-]+\}")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _run_options(options, defaults, runs_seen):
+    """The run options: given ones, else the resumed run's launch spec, else the defaults."""
+    opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
+    opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
+    if as_bool(opt["resume"]):  # the run's own launch spec: the same entry, arguments, preset and
+        # batch, except what this command gives explicitly (-e), e.g. more steps; never what
+        # only a launch applies (its files keep the run's own: _refused_on_resume)
+        wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
+        spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
+        opt.update({k: v for k, v in spec.items()
+                    if k in LAUNCH_SPEC and (k not in options or k in LAUNCH_ONLY)})
+    return opt
+
+
+def _refused_on_resume(extra_vars, opt, run_id, problems):
+    """On resume: the -e options only a launch applies (LAUNCH_ONLY; dsc_code_dir where the run's
+    code was copied into it) are refused, naming them: the resume would ignore them."""
+    given = [k for k in LAUNCH_ONLY if k in extra_vars]
+    if "dsc_code_dir" in extra_vars and not as_bool(opt["dsc_code_shared"]):
+        given.append("dsc_code_dir")
+    if given:
+        one = len(given) == 1
+        problems.add(f"{', '.join(given)} given with -e on resume: a resume keeps the files and code "
+                     f"run {run_id!r} was launched with (ds_config.json, train.json, .deepspeed_env, "
+                     f"memory.json, code/), so {'it' if one else 'they'} would be ignored. Fix: launch a "
+                     f"new run with {'this option' if one else 'these options'} (launch.yml), or resume "
+                     f"without {'it' if one else 'them'}.")
+
+
+def _run_id(opt, preset, plan, runs_seen, now, problems):
+    """The run id: given, else (resume) the newest run, else <preset>-<UTC time>; checked."""
+    run_id = str(opt["run_id"] or "")
+    if not run_id and as_bool(opt["resume"]):
+        run_id = runs_seen[0]["id"] if runs_seen else ""
+        if not run_id:
+            problems.add(f"run_id: no run to resume under {plan['run_root']} on "
+                         f"{plan['master']}. Fix: pass -e run_id=ID of an earlier run.")
+    if not run_id:
+        run_id = f"{preset}-{now}"
+    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+        problems.add(f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and '-', "
+                     f"starting with a letter or digit (it names a directory on every node).")
+    return run_id
+
+
+def _arguments(value, var, example, problems, also=None):
+    """A list of command-line arguments in the charset DeepSpeed's pdsh runner passes safely
+    (`also`: a pattern of further arguments allowed, resolved by the node helper)."""
+    if not isinstance(value, list):
+        problems.add(f"{var} is {value!r}. Fix: a list of arguments, e.g. {example}.")
+        return []
+    for arg in value:
+        if not DS_ENV_SAFE.fullmatch(str(arg)) and not (also and also.fullmatch(str(arg))):
+            problems.add(f"{var} holds {str(arg)!r}. Fix: letters, digits and '@%+=:,./-_' only "
+                         f"(the pdsh launcher passes arguments through a shell on every node).")
+    return [str(a) for a in value]
+
+
+def _launcher_args(value, problems):
+    """dsc_launcher_args: the DeepSpeed launcher options a run may add (LAUNCHER_OPTIONS)."""
+    args = _arguments(value, "dsc_launcher_args", "['--bind_cores_to_rank']", problems)
+    i = 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name not in LAUNCHER_OPTIONS:
+            problems.add(f"dsc_launcher_args holds {args[i]!r}. Fix: one of "
+                         f"{', '.join(LAUNCHER_OPTIONS)}; the hostfile, GPUs, ports and nodes "
+                         f"come from the inventory.")
+        elif LAUNCHER_OPTIONS[name] and "=" not in args[i]:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                problems.add(f"dsc_launcher_args: {name} needs a value. Fix: {name} VALUE.")
+            i += 1
+        i += 1
+    return args
+
+
+def _entry(opt, paths, problems):
+    """What the launcher starts: a module or a script inside the code directory, its arguments."""
+    module, script = str(opt["dsc_entry_module"] or ""), str(opt["dsc_entry_script"] or "")
+    if script and (posixpath.isabs(script) or ".." in script.split("/")
+                   or not re.fullmatch(r"[A-Za-z0-9._/-]+", script)):
+        problems.add(f"dsc_entry_script is {script!r}. Fix: a path relative to dsc_code_dir, "
+                     f"e.g. train.py or scripts/train.py.")
+    if not script and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module):
+        problems.add(f"dsc_entry_module is {module!r}. Fix: a Python module name such as "
+                     f"train.run, or set dsc_entry_script.")
+    shared = as_bool(opt["dsc_code_shared"])
+    code_dir = str(opt["dsc_code_dir"] or "") or str(Path(paths["repo"]) / "train")
+    if shared:
+        _abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)",
+                  "every rank runs the code in it, from it")
+    elif not os.path.isdir(code_dir):
+        problems.add(f"dsc_code_dir is {code_dir!r}, which is not a directory on the control "
+                     f"node. Fix: the directory that holds your training code.")
+    elif script and not os.path.isfile(os.path.join(code_dir, script)):
+        problems.add(f"dsc_entry_script is {script!r}, which is not in dsc_code_dir "
+                     f"({code_dir}). Fix: a path relative to that directory.")
+    return {"module": module, "script": script, "code_dir": code_dir, "shared": shared,
+            "launcher_args": _launcher_args(opt["dsc_launcher_args"], problems),
+            "args": _arguments(opt["dsc_entry_args"], "dsc_entry_args", "['--set', 'steps=100']", problems),
+            "resume_args": _arguments(opt["dsc_resume_args"], "dsc_resume_args",
+                                      "['--resume'], ['--resume_from_checkpoint', "
+                                      "'{latest:out/checkpoint-*}'], or [] for a script that resumes "
+                                      "from its own output dir", problems, LATEST)}
+
+
+def _config_choice(opt, problems):
+    """(mode, how the file reaches the script, the user's ds_config or None)."""
+    mode = str(opt["dsc_ds_config_mode"])
+    if mode not in CONFIG_MODES:
+        problems.add(f"dsc_ds_config_mode is {mode!r}. Fix: one of {', '.join(CONFIG_MODES)} "
+                     f"(preset: the toolkit's; file: your ds_config.json; hf: HF Trainer or "
+                     f"accelerate, 'auto' values kept; none: the script configures DeepSpeed).")
+        mode = "preset"
+    config_arg = str(opt["dsc_ds_config_arg"] or "") or CONFIG_ARGS[mode]
+    if config_arg not in ("--deepspeed_config", "--deepspeed", "env", "none", ""):
+        problems.add(f"dsc_ds_config_arg is {config_arg!r}. Fix: --deepspeed_config "
+                     f"(DeepSpeed-style scripts), --deepspeed (HF Trainer), env (accelerate: "
+                     f"ACCELERATE_DEEPSPEED_CONFIG_FILE) or none.")
+    config_arg = "" if config_arg == "none" or mode == "none" else config_arg
+    user_file, user_config = str(opt["dsc_ds_config_file"] or ""), None
+    if mode == "file" and not user_file:
+        problems.add("dsc_ds_config_file is empty but dsc_ds_config_mode is 'file'. Fix: the path "
+                     "of your ds_config.json on the control node.")
+    elif mode in ("file", "hf") and user_file:
+        user_config = read_user_config(user_file, problems)
+    return mode, config_arg, user_config
+
+
+def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
+    """An active run (unless replace), a resume of an unknown run, a new run in a used directory."""
+    seen = {r["id"]: r for r in runs_seen}
+    active = [r["id"] for r in runs_seen if r.get("active")]
+    for node in plan.get("nodes") or []:
+        if run_id in node.get("run_root_links", ()):
+            problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} on {node['name']} is a "
+                         f"symbolic link, not a run directory (a run's files would be written "
+                         f"wherever it points). Fix: remove the link (check who planted it), or "
+                         f"launch with another run_id.")
+    if refuse_active and active and active[0] != run_id and not as_bool(opt["replace"]) \
+            and not as_bool(opt["dry_run"]):
+        problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "
+                     f"(ansible-playbook stop.yml -e run_id={active[0]}), or launch with "
+                     f"-e replace=true to stop and replace it.")
+    if as_bool(opt["resume"]) and run_id not in seen and run_id:
+        problems.add(f"run_id {run_id!r}: no such run under {plan['run_root']} on "
+                     f"{plan['master']} to resume. Fix: the id of an earlier run "
+                     f"({', '.join(list(seen)[:5]) or 'none there'}).")
+    elif as_bool(opt["resume"]) and seen.get(run_id, {}).get("active"):
+        problems.add(f"run_id {run_id!r} is still running on {plan['master']}: resuming it would "
+                     f"start a second copy. Fix: follow it (status.yml -e run_id={run_id} "
+                     f"-e follow=true), or stop it first (stop.yml -e run_id={run_id}).")
+    elif as_bool(opt["resume"]) and seen.get(run_id, {}).get("finished") and not as_bool(opt["force"]):
+        problems.add(f"run_id {run_id!r} finished on {plan['master']}; resuming it would train "
+                     f"past its end and rewrite its summary. Fix: add -e force=true, with more "
+                     f"steps than it ran, or launch a new run.")
+    elif not as_bool(opt["resume"]) and seen.get(run_id, {}).get("started"):
+        problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} already holds a run (its "
+                     f"metrics and checkpoints would mix with a new run's). Fix: resume it "
+                     f"(ansible-playbook resume.yml -e run_id={run_id}) or launch with another "
+                     f"run_id.")
+
+
+def secrets_path(run_root, run_id):
+    """Where the node helper keeps a run's secrets (dscnode.rundir.secrets_file): beside the run."""
+    return f"{run_root}/{SECRETS_DIR}/{run_id}.json"
+
+
+def _resume_secrets(run_id, plan, runs_seen, problems):
+    """On resume: whether the ranks load the run's secrets (DSC_SECRETS). Given again
+    (dsc_secrets), they are written anew and must name every secret the run was launched with;
+    not given, the run's own file (0600, beside it) is used, on every node, or resume refuses,
+    naming the secrets: ranks never start without them silently."""
+    run = next((r for r in runs_seen if r["id"] == run_id), None)
+    if run is None or "nodes" not in plan:
+        return False
+    recorded = sorted(map(str, (run.get("launch") or {}).get("secret_names") or []))
+    given = plan.get("secret_names") or []
+    if given:
+        missing = [n for n in recorded if n not in given]
+        if missing:
+            problems.add(f"dsc_secrets: run {run_id!r} was launched with {', '.join(recorded)}; this "
+                         f"resume gives {', '.join(given)} and leaves out {', '.join(missing)}, "
+                         f"which its ranks would start without. Fix: give every one of them (the "
+                         f"resume writes the run's secrets anew), or none: the run's own are used.")
+        return True
+    having = [n["name"] for n in plan["nodes"] if run_id in n.get("runs_with_secrets", ())]
+    if not recorded and not having:
+        return False
+    lacking = [n["name"] for n in plan["nodes"] if n["reachable"] and n["name"] not in having]
+    if lacking:
+        names = ", ".join(recorded) or "secrets"
+        problems.add(f"dsc_secrets: run {run_id!r} was launched with {names}, and its secrets file "
+                     f"({secrets_path(plan['run_root'], run_id)}) is gone on {', '.join(lacking)}: "
+                     f"its ranks would start without {'them' if recorded else 'theirs'}. Fix: give "
+                     f"dsc_secrets again ({names}: the vault file, or -e @file); the resume "
+                     f"writes them anew on every node.")
+    return True
+
+
+def _commands(plan, s, run_dir, entry, config_arg, resume):
+    """{node: the DeepSpeed launcher's argv}: the master alone (pdsh), or every node (no_ssh).
+    Each rank runs the node helper's entry shim (secrets, progress), which runs the user's
+    script or module in the same process."""
+    launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
+                "--hostfile", f"{run_dir}/hostfile", "--master_addr", plan["master_addr"]]
+    if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
+        launcher += ["--ssh_port", str(plan["ssh_ports"][0])]
+    if plan["num_nodes"] == 1:
+        launcher += ["--no_ssh_check"]
+    if any(n["gpu_ids"] for n in plan["nodes"]):  # DeepSpeed's NAME:SLOT[,SLOT]@NAME...
+        launcher += ["--include", "@".join(
+            f"{n['name']}:{','.join(map(str, n['gpu_ids'] or range(n['slots'])))}" for n in plan["nodes"])]
+    launcher += entry["launcher_args"]
+    train_run = entry["module"] == "train.run" and not entry["script"]
+    program = [plan["helper"], "entry"] \
+        + (["--script", entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
+        + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg.startswith("--") else []) \
+        + (["--config", f"{run_dir}/train.json"] if train_run else []) \
+        + entry["args"] + (entry["resume_args"] if resume else [])
+    if s["dsc_launch_mode"] == "no_ssh":
+        return {n["name"]: launcher + ["--no_ssh", "--node_rank", str(n["rank"])] + program
+                for n in plan["nodes"]}
+    return {plan["master"]: launcher + program}
+
+
+def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
+    """The run's part of the plan: id, directory, ds_config, files and the launcher command.
+    `extra_vars`: the names given with -e (a resume refuses the LAUNCH_ONLY ones)."""
+    opt = _run_options(options, defaults, runs_seen)
+    resume = as_bool(opt["resume"])
+    known = presets(paths["templates"])
+    preset = str(opt["preset"])
+    entry = _entry(opt, paths, problems)
+    auto, ladder, model = [], [], None
+    if preset == "auto" and not resume and plan["world_size"] is not None:
+        chosen, micro_batch, auto, ladder, model = _auto_preset(plan, opt, options, paths, entry, problems, s)
+        if chosen:
+            # launch.json keeps the choice: resume and restarts take the same preset and batch.
+            preset = opt["preset"] = chosen
+            opt["dsc_micro_batch"] = micro_batch
+            options = dict(options, dsc_micro_batch=micro_batch)
+    elif preset not in known:
+        problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
+                     f"templates/ds_config/{preset}.json).")
+    run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
+    if resume:
+        _refused_on_resume(extra_vars, opt, run_id, problems)
+    for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
+        if not _is_int(opt[var]) or int(opt[var]) < 0:
+            problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
+    if s["dsc_launch_mode"] == "no_ssh" and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
+        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
+                     f"(each node's launcher runs on its own there, and a restart must restart every "
+                     f"node's ranks together: the pdsh mode's supervisor does), or dsc_launch_mode pdsh.")
+    overrides = opt["dsc_ds_config_overrides"] or {}
+    if not isinstance(overrides, dict):
+        problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
+                     f"config keys, e.g. {{zero_optimization: {{stage: 1}}}}.")
+        overrides = {}
+    mode, config_arg, user_config = _config_choice(opt, problems)
+    sizes = {}
+    if plan["world_size"] is not None:  # None: the nodes' own problems come first
+        sizes = batch(opt["dsc_micro_batch"], opt["dsc_grad_accum"], opt["dsc_train_batch"],
+                      plan["world_size"])
+        # The toolkit's batch applies to presets, and to a user's config only where given (-e).
+        if "error" in sizes and (mode == "preset" or any(
+                k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
+            problems.add(sizes["error"])
+    _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems)
+    secrets = resume and _resume_secrets(run_id, plan, runs_seen, problems)
+    archive = ""
+    if not entry["shared"] and not resume and os.path.isdir(entry["code_dir"]):
+        try:
+            archive = code_archive(entry["code_dir"])
+        except ValueError as e:
+            problems.add(str(e))
+    if problems.messages:
+        return None
+    run_dir = f"{plan['run_root']}/{run_id}"
+    config = compose_config(mode, paths["templates"], preset, set(options), plan["accelerator"],
+                            [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides,
+                            user_config, plan["world_size"], problems)
+    # The code lands in <run_dir>/code; a package entry (train.run from train/) keeps its folder
+    # name so that `python -m train.run` finds it.
+    code_base = os.path.basename(os.path.normpath(entry["code_dir"]))
+    package_dir = not entry["script"] and entry["module"].split(".")[0] == code_base
+    if as_bool(opt["dsc_tensorboard"]) and config is None:
+        problems.add("dsc_tensorboard is true but dsc_ds_config_mode is 'none'. Fix: enable "
+                     "DeepSpeed's tensorboard section in the config your script passes, or "
+                     "use a mode the toolkit writes the config for.")
+    if config is not None:
+        _run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
+    memory = _memory_record(plan, opt, entry, s, config, model, resume)
+    step_down = _step_down(plan, s, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto)
+    env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
+    if secrets:  # the run's own, kept beside it (the supervisor's restarts keep this env)
+        env["DSC_SECRETS"] = "1"
+    if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them; its
+        # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
+        dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
+        env.update(ACCELERATE_USE_DEEPSPEED="true",
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/ds_config.json",
+                   ACCELERATE_MIXED_PRECISION="bf16" if dtype["bf16"]["enabled"]
+                   else "fp16" if dtype["fp16"]["enabled"] else "no")
+    hostfile, env_text = _rendered(paths, plan, env, problems)
+    return {
+        "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,
+        "replace": as_bool(opt["replace"]), "dry_run": as_bool(opt["dry_run"]),
+        "follow": as_bool(opt["follow"]), "preflight": as_bool(opt["preflight"]),
+        "max_restarts": int(opt["max_restarts"]),
+        "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
+        "stall_timeout_s": int(opt["dsc_stall_timeout_s"]), "stall_fail": as_bool(opt["dsc_stall_fail"]),
+        "ds_config": config, "config_mode": mode, "resume_args": entry["resume_args"],
+        "ds_config_file": str(opt["dsc_ds_config_file"] or ""),
+        "code_dir": entry["code_dir"], "code_shared": entry["shared"],
+        "code_dest": f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
+        "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}", "env": env,
+        "secrets_file": secrets_path(plan["run_root"], run_id),
+        "commands": _commands(plan, s, run_dir, entry, config_arg, resume), "code_archive": archive,
+        # Written into the run directory on every node (name -> text).
+        "files": {
+            **({"ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"} if config else {}),
+            "hostfile": hostfile,
+            "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
+            # the predicted peak per GPU, beside which each rank records its measured one
+            **({RunDir.MEMORY: json.dumps(memory, indent=2, sort_keys=True) + "\n"} if memory else {}),
+            # preset=auto's step-down ladder (the node helper's supervisor reads it)
+            **({RunDir.AUTO: json.dumps(step_down, sort_keys=True) + "\n"} if step_down else {}),
+            "run_id": run_id + "\n",
+            # with the names (never the values) of its secrets: resume checks they are there
+            RunDir.LAUNCH: json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
+                                           secret_names=plan["secret_names"]),
+                                      indent=2, sort_keys=True) + "\n",
+            ".deepspeed_env": env_text,
+        },
+    }
+
+
+def run_reference(run_id, runs, run_root):
+    """The run that status, stop and logs act on: run_id if given, else the active run, else
+    none (those playbooks then refuse and list the runs: the newest directory is not
+    necessarily the run going on, and a stop of the wrong one would report "none left" while
+    the real one trains); (id, dir, problem)."""
+    if run_id:
+        if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+            return None, None, (f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and "
+                                f"'-', starting with a letter or digit.")
+    else:
+        run_id = next((r["id"] for r in runs if r.get("active")), "")
+    return (run_id or None), (f"{run_root}/{run_id}" if run_id else None), None
+
+
+def _plot_runs(given, run_id, plan, problems):
+    """The runs plot.yml draws: those given (each a run on the master), else the run (run_id)."""
+    if not isinstance(given, list):
+        problems.add(f"plot_runs is {given!r}. Fix: a list of run ids, e.g. [\"zero2-a\", \"zero3-b\"].")
+        return []
+    known = [r["id"] for r in plan.runs]
+    for wanted in map(str, given):
+        if wanted not in known:
+            problems.add(f"plot_runs: no run {wanted!r} under {plan.run_root} on {plan.master}. "
+                         f"Fix: one of {', '.join(known[:8]) or 'none there yet'} (runs.yml lists them).")
+    newest = [run_id] if run_id else known[:1]
+    return [str(r) for r in given] or newest
