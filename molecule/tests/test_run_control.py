@@ -274,7 +274,7 @@ def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
             assert any(why in refused[0].output for why in ("is active", "is already running", "already holds a run")), \
                 refused[0].output[-2000:]
             winner = ids[results.index(started[0])]
-            supervisors = cluster.exec(cluster.master, "pgrep -u dstrain -fc '[d]sc_node.py start' || true").stdout.strip()
+            supervisors = cluster.exec(cluster.master, "pgrep -u dstrain -fc '[d]sc_node.pyz start' || true").stdout.strip()
             assert supervisors == "1", f"{supervisors} supervisors for {ids}"
             for n in cluster.names:
                 wait(lambda: len(cluster.rank_pids(n, winner)) == 1, 120, f"one rank of {winner} on {n}")  # noqa: B023 - called in this iteration
