@@ -64,6 +64,69 @@ def predicted(c):
 
 # --- one configuration (child process) -----------------------------------------------------------
 
+def record_phases(torch, deepspeed, engine_class):
+    """Wrap deepspeed.initialize and the engine's backward and step to read torch.cuda's peak
+    counters after each phase (forward, backward, step; reset after each); returns the list
+    the readings go to, one dict per phase ("at": the phase)."""
+    marks = []
+    cuda = torch.cuda.is_available()
+
+    def mark(at):
+        if not cuda:
+            marks.append(dict.fromkeys(("allocated", "max_allocated", "reserved", "max_reserved",
+                                        "device_used", "device_total"), 0) | {"at": at})
+            return
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        marks.append({"at": at, "allocated": torch.cuda.memory_allocated(),
+                      "max_allocated": torch.cuda.max_memory_allocated(),
+                      "reserved": torch.cuda.memory_reserved(),
+                      "max_reserved": torch.cuda.max_memory_reserved(),
+                      "device_used": total - free, "device_total": total})
+        torch.cuda.reset_peak_memory_stats()
+
+    init, backward, step = deepspeed.initialize, engine_class.backward, engine_class.step
+
+    def initialize(*a, **k):
+        r = init(*a, **k)
+        mark("init")
+        return r
+
+    def wrapped_backward(self, *a, **k):
+        mark("forward")
+        r = backward(self, *a, **k)
+        mark("backward")
+        return r
+
+    def wrapped_step(self, *a, **k):
+        r = step(self, *a, **k)
+        mark("step")
+        return r
+
+    deepspeed.initialize = initialize
+    engine_class.backward, engine_class.step = wrapped_backward, wrapped_step
+    return marks
+
+
+def measured(c, rc, t0, cfg, marks, train_marks, torch, deepspeed):
+    """memory.json's record of one configuration that trained: its peaks per phase and where."""
+    cuda = torch.cuda.is_available()
+    peak = max(marks, key=lambda m: m["max_allocated"])
+    stats = torch.cuda.memory_stats() if cuda else {}
+    return {**c, "rc": rc, "seconds": round(time.time() - t0, 1), "ds_config": cfg,
+            "max_allocated": max(m["max_allocated"] for m in train_marks),
+            "max_reserved": max(m["max_reserved"] for m in train_marks),
+            "peak_phase": peak["at"], "init_max_allocated": marks[0]["max_allocated"],
+            "resident_after_init": marks[0]["allocated"],
+            "resident_after_steps": [m["allocated"] for m in marks if m["at"] == "step"],
+            # the CUDA context, NCCL, cuBLAS/cuDNN handles: device memory outside the allocator
+            "outside_allocator": max(m["device_used"] - m["reserved"] for m in train_marks),
+            "device_total": marks[0]["device_total"],
+            "num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0),
+            "marks": marks, "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__}
+
+
 def child(name, port, out_file, run_root, steps):
     c = parse_config(name)
     os.environ.update(ENV)
@@ -83,43 +146,7 @@ def child(name, port, out_file, run_root, steps):
                              ["9.0"], sizes, {})
     (run_dir / "ds_config.json").write_text(json.dumps(cfg, indent=1))
 
-    marks = []
-    cuda = torch.cuda.is_available()
-
-    def mark(at):
-        if not cuda:
-            marks.append(dict.fromkeys(("allocated", "max_allocated", "reserved", "max_reserved",
-                                        "device_used", "device_total"), 0) | {"at": at})
-            return
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        marks.append({"at": at, "allocated": torch.cuda.memory_allocated(),
-                      "max_allocated": torch.cuda.max_memory_allocated(),
-                      "reserved": torch.cuda.memory_reserved(),
-                      "max_reserved": torch.cuda.max_memory_reserved(),
-                      "device_used": total - free, "device_total": total})
-        torch.cuda.reset_peak_memory_stats()
-
-    init, backward, step = deepspeed.initialize, DeepSpeedEngine.backward, DeepSpeedEngine.step
-
-    def initialize(*a, **k):
-        r = init(*a, **k)
-        mark("init")
-        return r
-
-    def wrapped_backward(self, *a, **k):
-        mark("forward")
-        r = backward(self, *a, **k)
-        mark("backward")
-        return r
-
-    def wrapped_step(self, *a, **k):
-        r = step(self, *a, **k)
-        mark("step")
-        return r
-
-    deepspeed.initialize = initialize
-    DeepSpeedEngine.backward, DeepSpeedEngine.step = wrapped_backward, wrapped_step
+    marks = record_phases(torch, deepspeed, DeepSpeedEngine)
     argv = ["--deepspeed_config", str(run_dir / "ds_config.json"),
             "--set", f"size={c['size']}", "--set", f"seq_len={MODEL['seq_len']}",
             "--set", f"steps={steps}", "--set", "save_final=false", "--set", f"run_dir={run_dir}",
@@ -130,20 +157,7 @@ def child(name, port, out_file, run_root, steps):
     if rc or not train_marks:
         Path(out_file).write_text(json.dumps({**c, "rc": rc, "error": "no training step", "marks": marks}))
         return rc or 1
-    peak = max(marks, key=lambda m: m["max_allocated"])
-    stats = torch.cuda.memory_stats() if cuda else {}
-    result = {**c, "rc": rc, "seconds": round(time.time() - t0, 1), "ds_config": cfg,
-              "max_allocated": max(m["max_allocated"] for m in train_marks),
-              "max_reserved": max(m["max_reserved"] for m in train_marks),
-              "peak_phase": peak["at"], "init_max_allocated": marks[0]["max_allocated"],
-              "resident_after_init": marks[0]["allocated"],
-              "resident_after_steps": [m["allocated"] for m in marks if m["at"] == "step"],
-              # the CUDA context, NCCL, cuBLAS/cuDNN handles: device memory outside the allocator
-              "outside_allocator": max(m["device_used"] - m["reserved"] for m in train_marks),
-              "device_total": marks[0]["device_total"],
-              "num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0),
-              "marks": marks, "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "deepspeed": deepspeed.__version__}
+    result = measured(c, rc, t0, cfg, marks, train_marks, torch, deepspeed)
     Path(out_file).write_text(json.dumps(result, indent=1))
     return rc
 

@@ -294,36 +294,16 @@ def logits_bytes(shape: dict, micro_batch: int, precision: str = "bf16", logits_
 
 # --- the prediction ------------------------------------------------------------------------------
 
-def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: int, *,
-            precision: str = "bf16", attention: str = "sdpa", activation_checkpointing: bool = False,
-            dropout: bool = False, logits_fp32: bool = True, overhead: int = OVERHEAD_BYTES,
-            grad_accum: int | None = None, attention_dropout: bool | None = None) -> dict:
-    """Peak torch.cuda.max_memory_allocated() per GPU of a training step, with its parts.
-
-    shape: model_shape(...); preset: a preset name or the merged ds_config; world: ranks in all;
-    gpus_per_node: ranks per node; grad_accum: micro-steps per optimizer step (default: the
-    ds_config's gradient_accumulation_steps, else 1). Returns total (bytes), parts (bytes, summing to total), how
-    (a line per part), phase (the moment of the peak) and phases (each moment's total),
-    model_states (DeepSpeed's estimate, GPU and CPU), inputs."""
-    if micro_batch < 1 or world < 1 or gpus_per_node < 1:
-        raise ValueError("micro_batch, world and gpus_per_node must be positive")
-    z = zero_settings(preset)
-    nodes = max(1, -(-world // gpus_per_node))
-    W, N, P = world, shape["params"], shape["largest_param"]
-    p = PRECISION_BYTES[precision]
+def _zero_states(z: dict, N: int, P: int, W: int, p: int, buckets: int) -> tuple:
+    """What ZeRO keeps on the GPU: (states, how_states, buffers, how_buf, first_grad_extra, how_extra,
+    step_states). states: resident whenever the activations are (after the first optimizer step);
+    buffers: ZeRO's own at that moment; first_grad_extra: what the first gradient adds (ZeRO-1/2
+    buckets); step_states: the optimizer step's total. N params, P the largest one, W the world,
+    p bytes per 16-bit element."""
+    stage, off_opt, off_par = z["stage"], z["offload_optimizer"], z["offload_param"]
     mixed = p == 2
     master_adam = (4 if mixed else 0) + 8     # fp32 master copy + Adam's m and v, bytes/param
     fp32_grad = 4 if mixed else 0             # the fp32 gradient partition built for the step
-    est = model_states(N, shape["largest_layer_params"], z["stage"], z["offload_optimizer"],
-                       z["offload_param"], gpus_per_node, nodes)
-    act = activation_bytes(shape, micro_batch, precision, attention, activation_checkpointing, dropout,
-                           attention_dropout)
-    logits = logits_bytes(shape, micro_batch, precision, logits_fp32)
-    buckets = (2 if z["overlap_comm"] else 1) * p * z["reduce_bucket_size"] if z["contiguous_gradients"] else 0
-    stage, off_opt, off_par = z["stage"], z["offload_optimizer"], z["offload_param"]
-
-    # resident: what is allocated whenever the activations are (after the first optimizer step);
-    # extra: what the first gradient adds (ZeRO-1/2 buckets); step: the optimizer step's total.
     if stage == 3:
         bucket3 = p * z["reduce_bucket_size"] if z["contiguous_gradients"] else 0
         gather = 0 if (W == 1 and not off_par) else p * min(z["max_live_parameters"], N)
@@ -361,6 +341,73 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
             # the step: 16-bit gradient partition, its flattened copy and the fp32 copy (measured
             # 22 bytes/param in all on one GPU; DeepSpeed's estimate counts 20)
             step_states = states + (2 * p + fp32_grad) * N // W
+    return states, how_states, buffers, how_buf, first_grad_extra, how_extra, step_states
+
+
+def _peak_parts(phase: str, phases: dict, gpu_est: int, states: int, buffers: int, first_grad_extra: int,
+                accumulation: int, live_acts: int, logits: int, stage: int) -> dict:
+    """The peak phase's total in parts: DeepSpeed's estimate of the model states and our adjustment
+    to it, ZeRO's buffers, the accumulated gradients, the activations and the logits."""
+    if phase == "backward":
+        parts = {"model_states": gpu_est, "states_adjust": states - gpu_est, "zero_buffers": buffers,
+                 "accumulation": accumulation, "activations": live_acts, "logits": logits}
+    elif phase == "first-gradient":
+        parts = {"model_states": gpu_est, "states_adjust": states - gpu_est,
+                 "zero_buffers": buffers + first_grad_extra, "accumulation": accumulation,
+                 "activations": phases[phase] - states - buffers - accumulation - first_grad_extra,
+                 "logits": 0}
+    else:
+        parts = {"model_states": gpu_est, "states_adjust": phases["step"] - gpu_est
+                 - (buffers if stage == 3 else 0),
+                 "zero_buffers": buffers if stage == 3 else 0, "accumulation": 0, "activations": 0,
+                 "logits": 0}
+    return parts
+
+
+def _activations_how(shape: dict, micro_batch: int, p: int, act: dict, attention: str, dropout: bool,
+                     ckpt: bool) -> str:
+    """The activations' part of the peak in words (activation_bytes' terms)."""
+    s, b, h = shape["seq_len"], micro_batch, shape["hidden"]
+    activation = shape.get("activation") or ("silu" if shape.get("gated") else "gelu")
+    inner = shape.get("intermediate") or 4 * h
+    # elements per token and hidden unit saved per block: 8 outside the MLP, the MLP's own
+    elements = 8 + (ACTIVATIONS[activation] + (2 if shape.get("gated") else 0)) * inner / h
+    return (f"{s}x{b}x{h} tokens x hidden: " +
+            (f"{shape['layers']} layers x {act['per_layer']} B ({elements:g} x {p} B/element saved per "
+             f"block, attention {attention}, activation {activation}"
+             + (", dropout" if dropout else "") + ")"
+             if not ckpt else
+             f"checkpointing: {shape['layers']} block inputs x {p} B + one block recomputed")
+            + f" + final LayerNorm {act['head']} B")
+
+
+def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: int, *,
+            precision: str = "bf16", attention: str = "sdpa", activation_checkpointing: bool = False,
+            dropout: bool = False, logits_fp32: bool = True, overhead: int = OVERHEAD_BYTES,
+            grad_accum: int | None = None, attention_dropout: bool | None = None) -> dict:
+    """Peak torch.cuda.max_memory_allocated() per GPU of a training step, with its parts.
+
+    shape: model_shape(...); preset: a preset name or the merged ds_config; world: ranks in all;
+    gpus_per_node: ranks per node; grad_accum: micro-steps per optimizer step (default: the
+    ds_config's gradient_accumulation_steps, else 1). Returns total (bytes), parts (bytes, summing to total), how
+    (a line per part), phase (the moment of the peak) and phases (each moment's total),
+    model_states (DeepSpeed's estimate, GPU and CPU), inputs."""
+    if micro_batch < 1 or world < 1 or gpus_per_node < 1:
+        raise ValueError("micro_batch, world and gpus_per_node must be positive")
+    z = zero_settings(preset)
+    nodes = max(1, -(-world // gpus_per_node))
+    W, N, P = world, shape["params"], shape["largest_param"]
+    p = PRECISION_BYTES[precision]
+    est = model_states(N, shape["largest_layer_params"], z["stage"], z["offload_optimizer"],
+                       z["offload_param"], gpus_per_node, nodes)
+    act = activation_bytes(shape, micro_batch, precision, attention, activation_checkpointing, dropout,
+                           attention_dropout)
+    logits = logits_bytes(shape, micro_batch, precision, logits_fp32)
+    buckets = (2 if z["overlap_comm"] else 1) * p * z["reduce_bucket_size"] if z["contiguous_gradients"] else 0
+    stage, off_opt, off_par = z["stage"], z["offload_optimizer"], z["offload_param"]
+
+    states, how_states, buffers, how_buf, first_grad_extra, how_extra, step_states = \
+        _zero_states(z, N, P, W, p, buckets)
 
     if grad_accum is None:
         grad_accum = int(preset.get("gradient_accumulation_steps", 1)) if isinstance(preset, dict) else 1
@@ -378,29 +425,12 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
         "step": step_states + (buffers if stage == 3 else 0),
     }
     phase = max(phases, key=lambda k: phases[k])
-    gpu_est = est["gpu_bytes"]
-    if phase == "backward":
-        parts = {"model_states": gpu_est, "states_adjust": states - gpu_est, "zero_buffers": buffers,
-                 "accumulation": accumulation, "activations": live_acts, "logits": logits}
-    elif phase == "first-gradient":
-        parts = {"model_states": gpu_est, "states_adjust": states - gpu_est,
-                 "zero_buffers": buffers + first_grad_extra, "accumulation": accumulation,
-                 "activations": phases[phase] - states - buffers - accumulation - first_grad_extra,
-                 "logits": 0}
-    else:
-        parts = {"model_states": gpu_est, "states_adjust": phases["step"] - gpu_est
-                 - (buffers if stage == 3 else 0),
-                 "zero_buffers": buffers if stage == 3 else 0, "accumulation": 0, "activations": 0,
-                 "logits": 0}
+    parts = _peak_parts(phase, phases, est["gpu_bytes"], states, buffers, first_grad_extra, accumulation,
+                        live_acts, logits, stage)
     parts["overhead"] = int(overhead)
     parts = {k: int(v) for k, v in parts.items()}
     total = sum(parts.values())
-    s, b, h = shape["seq_len"], micro_batch, shape["hidden"]
     ckpt = activation_checkpointing
-    activation = shape.get("activation") or ("silu" if shape.get("gated") else "gelu")
-    inner = shape.get("intermediate") or 4 * h
-    # elements per token and hidden unit saved per block: 8 outside the MLP, the MLP's own
-    elements = 8 + (ACTIVATIONS[activation] + (2 if shape.get("gated") else 0)) * inner / h
     how = {
         "model_states": f"{est['method']}(params={N}, gpus_per_node={gpus_per_node}, nodes={nodes}"
                         + (f", largest_layer={shape['largest_layer_params']}" if stage == 3 else "")
@@ -412,13 +442,8 @@ def predict(shape: dict, preset, micro_batch: int, world: int, gpus_per_node: in
                          + "; minus DeepSpeed's estimate",
         "zero_buffers": how_buf + (f"; + {how_extra}" if phase == "first-gradient" else ""),
         "accumulation": how_accum if phase != "step" else "not counted at the step",
-        "activations": (f"{s}x{b}x{h} tokens x hidden: " +
-                        (f"{shape['layers']} layers x {act['per_layer']} B ({elements:g} x {p} B/element saved per "
-                         f"block, attention {attention}, activation {activation}"
-                         + (", dropout" if dropout else "") + ")"
-                         if not ckpt else
-                         f"checkpointing: {shape['layers']} block inputs x {p} B + one block recomputed")
-                        + f" + final LayerNorm {act['head']} B" if phase != "step" else "freed at the step"),
+        "activations": (_activations_how(shape, micro_batch, p, act, attention, dropout, ckpt)
+                        if phase != "step" else "freed at the step"),
         "logits": (f"3 x s*b*V x {4 if logits_fp32 else p} B (log-softmax output, its gradient in and out)"
                    if phase == "backward" else "not live at this phase"),
         "overhead": "constant fitted on one H200 (docs/memory.md)",

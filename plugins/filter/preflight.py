@@ -120,27 +120,10 @@ def driver_verdict(cuda, driver):
     return ("PASS", f"driver {driver} runs CUDA {cuda} (needs {need or '?'})", "")
 
 
-def preflight_rows(hostvars, cluster, settings):
-    rows = [_row("inventory", "all", "PASS", "cluster model valid: "
-                 f"{cluster['num_nodes']} nodes, world size {cluster['world_size']}, "
-                 f"master {cluster['master']} ({cluster['master_addr']})")]
-    names = cluster["node_names"]
-    master = cluster["master"]
-    hv = {n: hostvars[n] for n in names}
-    reach = {n: bool(hv[n].get("__preflight_reach")) for n in names}
-    probe = {n: hv[n].get("__preflight_probe") or {} for n in names}
-    for n in names:
-        if reach[n]:
-            rows.append(_row("reachable", n, "PASS", "Ansible reached it"))
-        else:
-            rows.append(_row("reachable", n, "FAIL", f"Ansible cannot reach {n}: "
-                             f"{hv[n].get('__preflight_unreachable_msg', 'unreachable')}",
-                             "start sshd on the node, or fix ansible_host/ansible_port/the key"))
-    ok = [n for n in names if reach[n] and probe[n]]
-    mesh = hv[master].get("__preflight_mesh") or {}
-    # no_ssh mode: Ansible starts a launcher on every node; nothing sshes between nodes or
-    # resolves their names (the hostfile's names are only keys there, the master an address).
-    pdsh = cluster.get("launch_mode", "pdsh") == "pdsh"
+def _ssh_rows(names, master, hv, mesh, pdsh, train_user):
+    """ssh from the master to each node as the training user (more than one node; a single "not
+    used" row in no_ssh mode)."""
+    rows = []
     if len(names) > 1 and not pdsh:
         rows.append(_row("ssh from master", "all", "PASS", "not used: dsc_launch_mode no_ssh"))
     for n in names if len(names) > 1 and pdsh else []:
@@ -149,24 +132,35 @@ def preflight_rows(hostvars, cluster, settings):
             why = hv[master].get("__preflight_mesh_error") or "the master did not report"
             rows.append(_row("ssh from master", n, "FAIL", f"not checked: {why}",
                              f"make {master} reachable and re-run provision.yml (it creates the "
-                             f"training user {settings['train_user']} and its ssh setup)"))
+                             f"training user {train_user} and its ssh setup)"))
         elif m["ok"]:
             rows.append(_row("ssh from master", n, "PASS",
-                             f"{settings['train_user']}@{master} -> {n} ({m['hostname']}), no prompt"))
+                             f"{train_user}@{master} -> {n} ({m['hostname']}), no prompt"))
         else:
             rows.append(_row("ssh from master", n, "FAIL",
-                             f"{settings['train_user']}@{master} cannot ssh to {n}: {m['error']}",
+                             f"{train_user}@{master} cannot ssh to {n}: {m['error']}",
                              "start sshd there, then re-run provision.yml (keys, known_hosts, "
                              "~/.ssh/config for the training user)"))
-    want = {node["name"]: node["addr"] for node in cluster["nodes"]}
-    for n in ok if pdsh else []:
+    return rows
+
+
+def _name_rows(ok, probe, nodes):
+    """Every node name resolves to its training address on each node (pdsh mode)."""
+    rows = []
+    want = {node["name"]: node["addr"] for node in nodes}
+    for n in ok:
         res = probe[n].get("resolve", {})
         bad = [f"{name} -> {', '.join(res.get(name, ['?']))} (want {addr})"
                for name, addr in want.items() if addr not in res.get(name, [])]
         rows.append(_row("names", n, "FAIL" if bad else "PASS",
                          "; ".join(bad) if bad else "every node name resolves to its training address",
                          "let provision.yml manage /etc/hosts (cluster_network_manage_hosts) or fix DNS"))
-    # Versions and paths: each node against the master (the launcher runs the master's paths).
+    return rows
+
+
+def _version_rows(ok, probe, master, settings):
+    """Versions and paths: each node against the master (the launcher runs the master's paths)."""
+    rows = []
     ref = probe.get(master, {}).get("versions") or {}
     for n in ok:
         v = probe[n].get("versions") or {}
@@ -181,7 +175,12 @@ def preflight_rows(hostvars, cluster, settings):
                   "python {python}, torch {torch} ({cuda}), DeepSpeed {deepspeed}, NCCL {nccl}".format(**v)
                   + f", env {settings['env_prefix']}")
         rows.append(_row("env and versions", n, "FAIL" if diff else "PASS", detail, PROVISION_FIX))
-    rows += package_rows(ok, probe, master)
+    return rows
+
+
+def _shared_path_rows(ok, probe, settings):
+    """The data and code directories, where they are shared, on each node."""
+    rows = []
     if settings.get("data_dir"):
         for n in ok:
             readable = probe[n].get("data_readable")
@@ -197,7 +196,13 @@ def preflight_rows(hostvars, cluster, settings):
                              f"{settings['code_dir']} {'exists' if exists else 'is missing'}",
                              "mount the shared code directory at the same path on every node, "
                              "or set dsc_code_shared: false to sync the code at launch"))
-    for node in cluster["nodes"]:
+    return rows
+
+
+def _slot_rows(nodes, ok, probe):
+    """dsc_slots against the GPUs (or CPUs) each node has."""
+    rows = []
+    for node in nodes:
         n = node["name"]
         if n not in ok:
             continue
@@ -219,6 +224,110 @@ def preflight_rows(hostvars, cluster, settings):
                 else ("PASS", f"{slots} CPU ranks on {cpus} CPUs")
             fix = f"set dsc_slots on {n} to at most its CPU count ({cpus})"
         rows.append(_row("slots", n, st, d, fix))
+    return rows
+
+
+def _master_port_rows(probe, master, settings):
+    """The master port range and an active run on the master (none where the master was not probed)."""
+    port = probe.get(master, {}).get("port")
+    if not port:
+        return []
+    rows = []
+    first, last = settings["port_first"], settings["port_last"]
+    if port["wanted_free"]:
+        rows.append(_row("master port", master, "PASS", f"{first} is free"))
+    elif port["first_free"]:
+        rows.append(_row("master port", master, "WARN",
+                         f"{first} is in use on {master}; launch will take {port['first_free']} "
+                         f"(the next free port in {first}-{last})",
+                         f"stop what holds {first} (ss -ltnp 'sport = :{first}') if it is a stale run"))
+    else:
+        rows.append(_row("master port", master, "FAIL", f"every port {first}-{last} is in use on {master}",
+                         "stop the runs holding them, or widen dsc_master_port_last"))
+    active = probe[master].get("active_run")
+    rows.append(_row("active run", master, "WARN" if active else "PASS",
+                     f"run {active} is active" if active else "no run is active",
+                     f"stop it (stop.yml -e run_id={active}) or launch with -e replace=true"))
+    return rows
+
+
+def _firewall_rows(ok, probe):
+    """Each node's firewall, with or without the toolkit's rules."""
+    rows = []
+    for n in ok:
+        fw = probe[n].get("firewall") or {}
+        if fw.get("state") == "active" and fw.get("master_rule") is False:
+            rows.append(_row("firewall", n, "WARN", f"{fw['tool']} active without the toolkit's rules",
+                             "re-run provision.yml (cluster_network_firewall) or open the ports yourself"))
+        else:
+            rules = " with the toolkit's rules" if fw.get("master_rule") else ""
+            rows.append(_row("firewall", n, "PASS", f"{fw.get('tool') or 'no firewall tool'}: "
+                             f"{fw.get('state')}{rules}"))
+    return rows
+
+
+def _clock_rows(names, mesh, master, settings):
+    """Each node's clock offset against the master's."""
+    rows = []
+    for n in names:
+        m = mesh.get(n) or {}
+        if "offset_s" not in m:
+            continue
+        off, err = abs(m["offset_s"]), m["rtt_s"] / 2
+        st = ("FAIL" if off - err > settings["clock_fail_s"] else
+              "WARN" if off - err > settings["clock_warn_s"] else "PASS")
+        rows.append(_row("clock", n, st, f"offset {m['offset_s']:+.4f} s against {master} (+-{err:.4f})",
+                         "run chrony or systemd-timesyncd on every node"))
+    return rows
+
+
+def _allreduce_rows(ar):
+    """The all-reduce measured across the cluster, where it ran (ar: its report)."""
+    if ar is None:
+        return []
+    rows = []
+    if ar.get("skipped"):
+        rows.append(_row("all-reduce", "all", "WARN", f"not measured: {ar['skipped']}",
+                         "fix what the rows above name, then run preflight.yml again"))
+    elif ar.get("busbw_gbps_max") is not None:
+        big = ar["rows"][-1]
+        rows.append(_row("all-reduce", "all", "PASS",
+                         f"{ar['world_size']} ranks ({ar['backend']}): busbw {big['busbw_gbps']:.3f} GB/s "
+                         f"at {big['bytes'] // 2**20} MiB"))
+    else:
+        rows.append(_row("all-reduce", "all", "FAIL", ar.get("error", "did not finish"),
+                         "read the run's launcher.log (kept in the report); fix the FAILs above first"))
+    return rows
+
+
+def preflight_rows(hostvars, cluster, settings):
+    rows = [_row("inventory", "all", "PASS", "cluster model valid: "
+                 f"{cluster['num_nodes']} nodes, world size {cluster['world_size']}, "
+                 f"master {cluster['master']} ({cluster['master_addr']})")]
+    names = cluster["node_names"]
+    master = cluster["master"]
+    hv = {n: hostvars[n] for n in names}
+    reach = {n: bool(hv[n].get("__preflight_reach")) for n in names}
+    probe = {n: hv[n].get("__preflight_probe") or {} for n in names}
+    for n in names:
+        if reach[n]:
+            rows.append(_row("reachable", n, "PASS", "Ansible reached it"))
+        else:
+            rows.append(_row("reachable", n, "FAIL", f"Ansible cannot reach {n}: "
+                             f"{hv[n].get('__preflight_unreachable_msg', 'unreachable')}",
+                             "start sshd on the node, or fix ansible_host/ansible_port/the key"))
+    ok = [n for n in names if reach[n] and probe[n]]
+    mesh = hv[master].get("__preflight_mesh") or {}
+    # no_ssh mode: Ansible starts a launcher on every node; nothing sshes between nodes or
+    # resolves their names (the hostfile's names are only keys there, the master an address).
+    pdsh = cluster.get("launch_mode", "pdsh") == "pdsh"
+    rows += _ssh_rows(names, master, hv, mesh, pdsh, settings["train_user"])
+    if pdsh:
+        rows += _name_rows(ok, probe, cluster["nodes"])
+    rows += _version_rows(ok, probe, master, settings)
+    rows += package_rows(ok, probe, master)
+    rows += _shared_path_rows(ok, probe, settings)
+    rows += _slot_rows(cluster["nodes"], ok, probe)
     for node in cluster["nodes"]:
         n = node["name"]
         if n in ok:
@@ -235,23 +344,7 @@ def preflight_rows(hostvars, cluster, settings):
         rows.append(_row("helper owner", n, *owner_verdict(probe[n].get("helper_owners") or {})))
         rows.append(_row("root paths", n, *root_paths_verdict(n, probe[n].get("root_paths"),
                                                               settings["train_user"])))
-    port = probe.get(master, {}).get("port")
-    if port:
-        first, last = settings["port_first"], settings["port_last"]
-        if port["wanted_free"]:
-            rows.append(_row("master port", master, "PASS", f"{first} is free"))
-        elif port["first_free"]:
-            rows.append(_row("master port", master, "WARN",
-                             f"{first} is in use on {master}; launch will take {port['first_free']} "
-                             f"(the next free port in {first}-{last})",
-                             f"stop what holds {first} (ss -ltnp 'sport = :{first}') if it is a stale run"))
-        else:
-            rows.append(_row("master port", master, "FAIL", f"every port {first}-{last} is in use on {master}",
-                             "stop the runs holding them, or widen dsc_master_port_last"))
-        active = probe[master].get("active_run")
-        rows.append(_row("active run", master, "WARN" if active else "PASS",
-                         f"run {active} is active" if active else "no run is active",
-                         f"stop it (stop.yml -e run_id={active}) or launch with -e replace=true"))
+    rows += _master_port_rows(probe, master, settings)
     tcp_port = hv[master].get("__preflight_tcp_port")
     for n in ok:
         t = hv[n].get("__preflight_tcp")
@@ -262,29 +355,13 @@ def preflight_rows(hostvars, cluster, settings):
                          f"{n} -> {target} {'connects' if t['ok'] else 'fails: ' + t['msg']}",
                          f"open {settings['port_first']}-{settings['port_last']}/tcp on {master} to "
                          f"the cluster's addresses (provision.yml's firewall does), and check routes"))
-    for n in ok:
-        fw = probe[n].get("firewall") or {}
-        if fw.get("state") == "active" and fw.get("master_rule") is False:
-            rows.append(_row("firewall", n, "WARN", f"{fw['tool']} active without the toolkit's rules",
-                             "re-run provision.yml (cluster_network_firewall) or open the ports yourself"))
-        else:
-            rules = " with the toolkit's rules" if fw.get("master_rule") else ""
-            rows.append(_row("firewall", n, "PASS", f"{fw.get('tool') or 'no firewall tool'}: "
-                             f"{fw.get('state')}{rules}"))
+    rows += _firewall_rows(ok, probe)
     for node in cluster["nodes"]:
         n = node["name"]
         if n in ok:
             rows.append(_row("interface", n, *interface_verdict(
                 n, node["addr"], probe[n].get("interfaces") or {}, settings.get("ifname"))))
-    for n in names:
-        m = mesh.get(n) or {}
-        if "offset_s" not in m:
-            continue
-        off, err = abs(m["offset_s"]), m["rtt_s"] / 2
-        st = ("FAIL" if off - err > settings["clock_fail_s"] else
-              "WARN" if off - err > settings["clock_warn_s"] else "PASS")
-        rows.append(_row("clock", n, st, f"offset {m['offset_s']:+.4f} s against {master} (+-{err:.4f})",
-                         "run chrony or systemd-timesyncd on every node"))
+    rows += _clock_rows(names, mesh, master, settings)
     for n in names:
         ip = hv[n].get("__preflight_iperf")
         if ip is None:
@@ -294,19 +371,7 @@ def preflight_rows(hostvars, cluster, settings):
         else:
             rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {ip.get('error')}",
                              "install iperf3 (base_packages) and allow the cluster's addresses"))
-    ar = hv[master].get("__preflight_allreduce")
-    if ar is not None:
-        if ar.get("skipped"):
-            rows.append(_row("all-reduce", "all", "WARN", f"not measured: {ar['skipped']}",
-                             "fix what the rows above name, then run preflight.yml again"))
-        elif ar.get("busbw_gbps_max") is not None:
-            big = ar["rows"][-1]
-            rows.append(_row("all-reduce", "all", "PASS",
-                             f"{ar['world_size']} ranks ({ar['backend']}): busbw {big['busbw_gbps']:.3f} GB/s "
-                             f"at {big['bytes'] // 2**20} MiB"))
-        else:
-            rows.append(_row("all-reduce", "all", "FAIL", ar.get("error", "did not finish"),
-                             "read the run's launcher.log (kept in the report); fix the FAILs above first"))
+    rows += _allreduce_rows(hv[master].get("__preflight_allreduce"))
     return rows
 
 

@@ -70,32 +70,9 @@ __all__ = ["_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
-              check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False,
-              variables=None, extra_vars=()):
-    """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
-    are the run options; `full_run` (launch, resume) derives the whole run, else only which run
-    status, stop and logs act on; `firewall` (provision) refuses a node whose firewall the
-    toolkit would not manage alone. `variables` ({node: the names of its variables}; default
-    hostvars' own) and `extra_vars` (the names given with -e) find undeclared settings, and the
-    -e options a resume cannot apply."""
-    problems = Problems()
-    names = node_order(groups)
-    if not names:
-        return None, [f"inventory: the group '{CLUSTER_GROUP}' is empty or missing. Fix: list "
-                      f"your nodes under 'all: children: {CLUSTER_GROUP}: hosts:' (see "
-                      f"inventory/example/hosts.yml), and check the -i path."]
-    control_characters(hostvars, names, options, problems)
-    undeclared_settings(variables if variables is not None else {n: list(hostvars.get(n) or {}) for n in names},
-                        extra_vars, declared_settings(paths["repo"]), problems)
-    s = _cluster_settings(hostvars, defaults, names, problems)
-    _check_settings(s, names[0], problems, check_dir)
-    torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
-    lock = _lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
-    data = _data(s, f"on host {names[0]}", problems, check_dir)
-    secrets = secret_names(hostvars, names, problems)
-    nodes = _nodes(names, hostvars, defaults, probes, problems)
-    _firewall_backends(nodes, probes, s, firewall, problems)
+def _check_nodes(nodes, s, hostvars, probes, full_run, problems):
+    """Each reachable node's own refusals: the paths root would write into, and a dsc_addr no
+    interface there holds; marks the control node itself as "local"."""
     for node in nodes:
         # The control node itself (a local connection, the one-node default): dsc_data_dir there is
         # the source, never created, changed or synced (launch skips it on this node).
@@ -112,6 +89,11 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                                              or {}).values() for a in addrs or [])
             problems.add(f"dsc_addr on host {node['name']} is {node['addr']}, which no interface "
                          f"there holds. Fix: set dsc_addr to an address of this node ({seen}).")
+
+
+def _existing_env_owner(s, nodes, probes, problems):
+    """The user an existing interpreter (dsc_env_manager existing) runs as: its owner, the same on
+    every node; None for the other env managers."""
     env_owner = None
     if s["dsc_env_manager"] == "existing" and not any(
             m.startswith("dsc_existing_python") for m in problems.messages):
@@ -130,22 +112,11 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                          f"runs as its owner, who must be the same on every node. Fix: the same "
                          f"ownership everywhere (root's, or one user's).")
         env_owner = next(iter(owners), "root")
-    if problems.messages:
-        if full_run:  # the run options' own problems too, all at once
-            partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
-                       "master": names[0], "world_size": None}
-            runs = (probes.get(names[0]) or {}).get("runs") or []
-            _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active, extra_vars)
-        else:
-            problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
-            if problem:
-                problems.add(problem)
-        return None, problems.messages
+    return env_owner
 
-    helper_src, helper_sha256 = node_helper(paths["repo"])
-    install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
-    prefix, python = _env_paths(s, install_root)
-    cache_dir = f"{install_root}/cache"
+
+def _node_and_rank_env(s, nodes, prefix, cache_dir, secrets):
+    """(accelerator, compute capabilities, node_env, rank_env) for the nodes the plan holds."""
     accelerator = "cuda" if all(n["gpus"] > 0 for n in nodes) else "cpu"
     caps = sorted({c for n in nodes for c in n["compute_caps"]})
     # The environment every DeepSpeed process on a node needs (op builds, probes, ranks): the
@@ -164,9 +135,19 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     rank_env.update({str(k): str(v) for k, v in (s["dsc_rank_env"] or {}).items()})
     if secrets:  # the entry shim loads them from a 0600 file beside the run directory
         rank_env["DSC_SECRETS"] = "1"
+    return accelerator, caps, node_env, rank_env
+
+
+def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements, data, lock):
+    """The Plan of valid settings and nodes, without its run (make_plan adds it)."""
+    helper_src, helper_sha256 = node_helper(paths["repo"])
+    install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
+    prefix, python = _env_paths(s, install_root)
+    cache_dir = f"{install_root}/cache"
+    accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, cache_dir, secrets)
     manager = s["dsc_env_manager"]
     wheelhouse = str(s["dsc_wheelhouse"] or "")
-    plan = Plan(
+    return Plan(
         cluster_name=str(s["dsc_cluster_name"]),
         nodes=nodes, node={n["name"]: n for n in nodes},
         node_names=[n["name"] for n in nodes], addrs=[n["addr"] for n in nodes],
@@ -209,6 +190,50 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         runs=(probes.get(nodes[0]["name"]) or {}).get("runs") or [],
         run=None,
     )
+
+
+def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
+              check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False,
+              variables=None, extra_vars=()):
+    """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
+    are the run options; `full_run` (launch, resume) derives the whole run, else only which run
+    status, stop and logs act on; `firewall` (provision) refuses a node whose firewall the
+    toolkit would not manage alone. `variables` ({node: the names of its variables}; default
+    hostvars' own) and `extra_vars` (the names given with -e) find undeclared settings, and the
+    -e options a resume cannot apply."""
+    problems = Problems()
+    names = node_order(groups)
+    if not names:
+        return None, [f"inventory: the group '{CLUSTER_GROUP}' is empty or missing. Fix: list "
+                      f"your nodes under 'all: children: {CLUSTER_GROUP}: hosts:' (see "
+                      f"inventory/example/hosts.yml), and check the -i path."]
+    control_characters(hostvars, names, options, problems)
+    undeclared_settings(variables if variables is not None else {n: list(hostvars.get(n) or {}) for n in names},
+                        extra_vars, declared_settings(paths["repo"]), problems)
+    s = _cluster_settings(hostvars, defaults, names, problems)
+    _check_settings(s, names[0], problems, check_dir)
+    torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
+    lock = _lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
+    data = _data(s, f"on host {names[0]}", problems, check_dir)
+    secrets = secret_names(hostvars, names, problems)
+    nodes = _nodes(names, hostvars, defaults, probes, problems)
+    _firewall_backends(nodes, probes, s, firewall, problems)
+    _check_nodes(nodes, s, hostvars, probes, full_run, problems)
+    env_owner = _existing_env_owner(s, nodes, probes, problems)
+    if problems.messages:
+        if full_run:  # the run options' own problems too, all at once
+            partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
+                       "master": names[0], "world_size": None}
+            runs = (probes.get(names[0]) or {}).get("runs") or []
+            _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active, extra_vars)
+        else:
+            problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
+            if problem:
+                problems.add(problem)
+        return None, problems.messages
+
+    plan = _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements,
+                         data, lock)
     options = options or {}
     if full_run:
         plan.run = _run(asdict(plan), s, options, defaults, paths, problems, plan.runs, now,

@@ -87,6 +87,39 @@ def _hf_config(given, entry, s, problems):
     return cfg, found
 
 
+def _assume_unsaid(values, assumed, cfg_path):
+    """What neither dsc_model_shape nor the HF config said: the larger assumption, set in values
+    and said in words in assumed (a wrong guess is safe, not an out-of-memory error)."""
+    if "attention" not in values:
+        values["attention"] = "eager"
+        assumed.append("attention eager (" + ("config.json names no attn_implementation; "
+                       "transformers runs eager where a model is built without one" if cfg_path
+                       else "not given") + "); give dsc_model_shape.attention: sdpa where yours runs "
+                       "scaled_dot_product_attention or flash")
+    if "dropout" not in values:
+        values["dropout"] = True
+        assumed.append("dropout on (its masks counted); give dsc_model_shape.dropout: 0 "
+                       "where your model has none")
+    if "attention_dropout" not in values:
+        values["attention_dropout"] = values["dropout"]
+    if "logits" not in values:
+        values["logits"] = "fp32"
+        assumed.append("logits fp32 in the loss (the larger); give dsc_model_shape.logits: "
+                       "bf16 where your loss takes 16-bit logits")
+    if "activation" not in values:
+        values["activation"] = memory.ASSUMED_ACTIVATION
+        assumed.append(f"activation {memory.ASSUMED_ACTIVATION} (" + (
+                       "config.json names no activation_function or hidden_act" if cfg_path else "not given")
+                       + f"; GPT2Config's default, composed of tensor ops that keep "
+                       f"{memory.ACTIVATIONS[memory.ASSUMED_ACTIVATION]} tensors of the MLP's width "
+                       f"for backward where a fused GELU keeps 2); give dsc_model_shape.activation: gelu "
+                       f"(or yours: silu, gelu_pytorch_tanh, ...) where your MLP runs a fused one")
+    if "tied" not in values:
+        values["tied"] = False
+        assumed.append("untied embeddings: an output layer of its own (the larger); give "
+                       "dsc_model_shape.tied: true where it shares the embedding's weight")
+
+
 def _model_shape(opt, entry, problems, s=None):
     """What preset=auto (and the run's predicted peak) knows of the model: {shape, checkpointing,
     attention, dropout, attention_dropout, logits_fp32, assumed: [what was assumed, in words],
@@ -131,36 +164,7 @@ def _model_shape(opt, entry, problems, s=None):
                      + (f" ({told} gives no {', '.join(missing)})" if told else "")
                      + f". Fix: {fix}, an HF config.json in dsc_code_dir or dsc_data_dir, or a preset.")
         return None
-    # What neither said: the larger assumption, said in words (a wrong guess is safe, not an
-    # out-of-memory error).
-    if "attention" not in values:
-        values["attention"] = "eager"
-        assumed.append("attention eager (" + ("config.json names no attn_implementation; "
-                       "transformers runs eager where a model is built without one" if cfg_path
-                       else "not given") + "); give dsc_model_shape.attention: sdpa where yours runs "
-                       "scaled_dot_product_attention or flash")
-    if "dropout" not in values:
-        values["dropout"] = True
-        assumed.append("dropout on (its masks counted); give dsc_model_shape.dropout: 0 "
-                       "where your model has none")
-    if "attention_dropout" not in values:
-        values["attention_dropout"] = values["dropout"]
-    if "logits" not in values:
-        values["logits"] = "fp32"
-        assumed.append("logits fp32 in the loss (the larger); give dsc_model_shape.logits: "
-                       "bf16 where your loss takes 16-bit logits")
-    if "activation" not in values:
-        values["activation"] = memory.ASSUMED_ACTIVATION
-        assumed.append(f"activation {memory.ASSUMED_ACTIVATION} (" + (
-                       "config.json names no activation_function or hidden_act" if cfg_path else "not given")
-                       + f"; GPT2Config's default, composed of tensor ops that keep "
-                       f"{memory.ACTIVATIONS[memory.ASSUMED_ACTIVATION]} tensors of the MLP's width "
-                       f"for backward where a fused GELU keeps 2); give dsc_model_shape.activation: gelu "
-                       f"(or yours: silu, gelu_pytorch_tanh, ...) where your MLP runs a fused one")
-    if "tied" not in values:
-        values["tied"] = False
-        assumed.append("untied embeddings: an output layer of its own (the larger); give "
-                       "dsc_model_shape.tied: true where it shares the embedding's weight")
+    _assume_unsaid(values, assumed, cfg_path)
     shape = memory.model_shape(
         *(values[k] for k in MODEL_SHAPE_KEYS), tied=values["tied"], params=values.get("params"),
         intermediate=values.get("intermediate"), gated=bool(values.get("gated")),
@@ -233,6 +237,30 @@ def step_down_ladder(candidates, chosen, room_mib):
             ladder.append(c)
             last = c
     return ladder
+
+
+def _auto_reason(chosen, candidates, records, ratio, room, model, bits):
+    """preset=auto's choice as lines: the chosen configuration's predicted peak against the room,
+    the largest ones that did not fit, earlier measurements, the model and what was assumed."""
+    tried = [c["line"] for c in candidates[:candidates.index(chosen)]]
+    measured = [f"  measured before (run {m['run_id']} on {m['node']}, {m['preset']} micro-batch "
+                f"{m['micro_batch']}): {m['measured'] / 2**30:.1f} GiB against the predicted "
+                f"{m['predicted'] / 2**30:.1f} GiB (x{m['ratio']:.2f})" for m in records if m["ratio"] > MEASURED_TOLERANCE]
+    shown_use = (f"{chosen['use'] / 2**30:.1f} GiB per GPU (predicted {chosen['predicted'] / 2**30:.1f} GiB by "
+                 f"train/memory.py, scaled by the measured x{ratio:.2f})" if chosen["use"] != chosen["predicted"]
+                 else f"{chosen['predicted'] / 2**30:.1f} GiB per GPU (train/memory.py)")
+    want = chosen["use"] / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
+    return [f"preset=auto chose {chosen['preset']} at micro-batch {chosen['micro_batch']}: predicted peak "
+            f"{shown_use}, x{AUTO_FACTOR} + {AUTO_RESERVE_MIB / 1024:.1f} GiB = {want / 1024:.1f} GiB, within "
+            f"{room}."] + [f"  no room: {t}" for t in tried[-6:]] + measured + \
+           [f"  model ({model['source']}): {model['shape']['layers']} layers, hidden {model['shape']['hidden']}, "
+            f"{model['shape']['heads']} heads, vocab {model['shape']['vocab']}, seq_len {model['shape']['seq_len']}, "
+            f"attention {model['attention']}, dropout {'on' if model['dropout'] else 'off'}"
+            f"{' (attention dropout on)' if model['attention_dropout'] and not model['dropout'] else ''}, "
+            f"activation {model['shape'].get('activation', 'gelu')}, "
+            f"logits {'fp32' if model['logits_fp32'] else bits}, {'tied' if model['shape']['tied'] else 'untied'} "
+            f"embeddings{', activation checkpointing' if model['checkpointing'] else ''}"] + \
+           [f"  assumed: {a}" for a in model["assumed"]]
 
 
 def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
@@ -309,25 +337,7 @@ def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
                      f"checkpointing, a shorter sequence, or a smaller model.")
         return none
     ladder = step_down_ladder(candidates, chosen, smallest)
-    tried = [c["line"] for c in candidates[:candidates.index(chosen)]]
-    measured = [f"  measured before (run {m['run_id']} on {m['node']}, {m['preset']} micro-batch "
-                f"{m['micro_batch']}): {m['measured'] / 2**30:.1f} GiB against the predicted "
-                f"{m['predicted'] / 2**30:.1f} GiB (x{m['ratio']:.2f})" for m in records if m["ratio"] > MEASURED_TOLERANCE]
-    shown_use = (f"{chosen['use'] / 2**30:.1f} GiB per GPU (predicted {chosen['predicted'] / 2**30:.1f} GiB by "
-                 f"train/memory.py, scaled by the measured x{ratio:.2f})" if chosen["use"] != chosen["predicted"]
-                 else f"{chosen['predicted'] / 2**30:.1f} GiB per GPU (train/memory.py)")
-    want = chosen["use"] / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
-    reason = [f"preset=auto chose {chosen['preset']} at micro-batch {chosen['micro_batch']}: predicted peak "
-              f"{shown_use}, x{AUTO_FACTOR} + {AUTO_RESERVE_MIB / 1024:.1f} GiB = {want / 1024:.1f} GiB, within "
-              f"{room}."] + [f"  no room: {t}" for t in tried[-6:]] + measured + \
-             [f"  model ({model['source']}): {model['shape']['layers']} layers, hidden {model['shape']['hidden']}, "
-              f"{model['shape']['heads']} heads, vocab {model['shape']['vocab']}, seq_len {model['shape']['seq_len']}, "
-              f"attention {model['attention']}, dropout {'on' if model['dropout'] else 'off'}"
-              f"{' (attention dropout on)' if model['attention_dropout'] and not model['dropout'] else ''}, "
-              f"activation {model['shape'].get('activation', 'gelu')}, "
-              f"logits {'fp32' if model['logits_fp32'] else bits}, {'tied' if model['shape']['tied'] else 'untied'} "
-              f"embeddings{', activation checkpointing' if model['checkpointing'] else ''}"] + \
-             [f"  assumed: {a}" for a in model["assumed"]]
+    reason = _auto_reason(chosen, candidates, records, ratio, room, model, bits)
     return chosen["preset"], chosen["micro_batch"], reason, ladder, dict(model, key=key, bits=bits)
 
 

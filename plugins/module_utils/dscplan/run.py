@@ -276,6 +276,62 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
     return {plan["master"]: launcher + program}
 
 
+def _check_restarts(opt, s, problems):
+    """The supervisor's options: whole numbers, and no restarts where each node's launcher runs alone."""
+    for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
+        if not _is_int(opt[var]) or int(opt[var]) < 0:
+            problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
+    if s["dsc_launch_mode"] == "no_ssh" and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
+        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
+                     f"(each node's launcher runs on its own there, and a restart must restart every "
+                     f"node's ranks together: the pdsh mode's supervisor does), or dsc_launch_mode pdsh.")
+
+
+def _ds_config_overrides(opt, problems):
+    """dsc_ds_config_overrides, or {} (with a problem) where it is not a mapping."""
+    overrides = opt["dsc_ds_config_overrides"] or {}
+    if not isinstance(overrides, dict):
+        problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
+                     f"config keys, e.g. {{zero_optimization: {{stage: 1}}}}.")
+        overrides = {}
+    return overrides
+
+
+def _run_env(plan, run_id, run_dir, secrets, config_arg):
+    """The ranks' environment: the cluster's, the run's id and directory, and accelerate's own
+    variables where the config goes to it through the environment."""
+    env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
+    if secrets:  # the run's own, kept beside it (the supervisor's restarts keep this env)
+        env["DSC_SECRETS"] = "1"
+    if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them; its
+        # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
+        dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
+        env.update(ACCELERATE_USE_DEEPSPEED="true",
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/ds_config.json",
+                   ACCELERATE_MIXED_PRECISION="bf16" if dtype["bf16"]["enabled"]
+                   else "fp16" if dtype["fp16"]["enabled"] else "no")
+    return env
+
+
+def _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text):
+    """The files written into the run directory on every node (name -> text)."""
+    return {
+        **({"ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"} if config else {}),
+        "hostfile": hostfile,
+        "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
+        # the predicted peak per GPU, beside which each rank records its measured one
+        **({RunDir.MEMORY: json.dumps(memory, indent=2, sort_keys=True) + "\n"} if memory else {}),
+        # preset=auto's step-down ladder (the node helper's supervisor reads it)
+        **({RunDir.AUTO: json.dumps(step_down, sort_keys=True) + "\n"} if step_down else {}),
+        "run_id": run_id + "\n",
+        # with the names (never the values) of its secrets: resume checks they are there
+        RunDir.LAUNCH: json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
+                                       secret_names=plan["secret_names"]),
+                                  indent=2, sort_keys=True) + "\n",
+        ".deepspeed_env": env_text,
+    }
+
+
 def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
     """The run's part of the plan: id, directory, ds_config, files and the launcher command.
     `extra_vars`: the names given with -e (a resume refuses the LAUNCH_ONLY ones)."""
@@ -298,18 +354,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
     if resume:
         _refused_on_resume(extra_vars, opt, run_id, problems)
-    for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
-        if not _is_int(opt[var]) or int(opt[var]) < 0:
-            problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
-    if s["dsc_launch_mode"] == "no_ssh" and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
-        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
-                     f"(each node's launcher runs on its own there, and a restart must restart every "
-                     f"node's ranks together: the pdsh mode's supervisor does), or dsc_launch_mode pdsh.")
-    overrides = opt["dsc_ds_config_overrides"] or {}
-    if not isinstance(overrides, dict):
-        problems.add(f"dsc_ds_config_overrides is {overrides!r}. Fix: a mapping of DeepSpeed "
-                     f"config keys, e.g. {{zero_optimization: {{stage: 1}}}}.")
-        overrides = {}
+    _check_restarts(opt, s, problems)
+    overrides = _ds_config_overrides(opt, problems)
     mode, config_arg, user_config = _config_choice(opt, problems)
     sizes = {}
     if plan["world_size"] is not None:  # None: the nodes' own problems come first
@@ -345,16 +391,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         _run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
     memory = _memory_record(plan, opt, entry, s, config, model, resume)
     step_down = _step_down(plan, s, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto)
-    env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
-    if secrets:  # the run's own, kept beside it (the supervisor's restarts keep this env)
-        env["DSC_SECRETS"] = "1"
-    if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them; its
-        # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
-        dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
-        env.update(ACCELERATE_USE_DEEPSPEED="true",
-                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/ds_config.json",
-                   ACCELERATE_MIXED_PRECISION="bf16" if dtype["bf16"]["enabled"]
-                   else "fp16" if dtype["fp16"]["enabled"] else "no")
+    env = _run_env(plan, run_id, run_dir, secrets, config_arg)
     hostfile, env_text = _rendered(paths, plan, env, problems)
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,
@@ -370,22 +407,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}", "env": env,
         "secrets_file": secrets_path(plan["run_root"], run_id),
         "commands": _commands(plan, s, run_dir, entry, config_arg, resume), "code_archive": archive,
-        # Written into the run directory on every node (name -> text).
-        "files": {
-            **({"ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"} if config else {}),
-            "hostfile": hostfile,
-            "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
-            # the predicted peak per GPU, beside which each rank records its measured one
-            **({RunDir.MEMORY: json.dumps(memory, indent=2, sort_keys=True) + "\n"} if memory else {}),
-            # preset=auto's step-down ladder (the node helper's supervisor reads it)
-            **({RunDir.AUTO: json.dumps(step_down, sort_keys=True) + "\n"} if step_down else {}),
-            "run_id": run_id + "\n",
-            # with the names (never the values) of its secrets: resume checks they are there
-            RunDir.LAUNCH: json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
-                                           secret_names=plan["secret_names"]),
-                                      indent=2, sort_keys=True) + "\n",
-            ".deepspeed_env": env_text,
-        },
+        "files": _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text),
     }
 
 

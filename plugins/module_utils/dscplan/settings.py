@@ -351,6 +351,12 @@ def _check_settings(s, first, problems, check_dir):
                          f"interpreter already on the node, e.g. /opt/torch/.venv/bin/python.")
         else:
             _existing_python(problems, py, where)
+    _check_package_sources(s, where, problems, check_dir)
+    _check_launch_settings(s, where, problems)
+
+
+def _check_package_sources(s, where, problems, check_dir):
+    """Where the nodes install from: the wheelhouse, the node lock and the pip index."""
     wheelhouse = str(s["dsc_wheelhouse"] or "")
     if wheelhouse and check_dir is not None and not check_dir(wheelhouse):
         problems.add(f"dsc_wheelhouse {where} is {wheelhouse!r}, which does not exist on the "
@@ -372,6 +378,11 @@ def _check_settings(s, first, problems, check_dir):
         problems.add(f"dsc_pip_index_url {where} is {index!r}: plain HTTP, and no dsc_node_lock to "
                      f"check what comes over it. Fix: https, or a dsc_node_lock (scripts/nodelock.sh): "
                      f"every file is then checked against its sha256.")
+
+
+def _check_launch_settings(s, where, problems):
+    """What every launch uses: the master port range, the SSH sources, the process group's
+    timeout and the ranks' environment."""
     first_port, last_port = s["dsc_master_port"], s["dsc_master_port_last"]
     if not _is_int(first_port) or not 1024 <= int(first_port) < 65536:
         problems.add(f"dsc_master_port {where} is {shown(first_port)}. Fix: a TCP port 1024-65535.")
