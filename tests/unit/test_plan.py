@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from dscplan import memory as dsc_memory
+from train import memory as train_memory
 import dscplan
 from dscnode.rundir import secrets_file
 
@@ -1434,7 +1435,7 @@ def test_a_llama_config_gives_a_gated_mlp_and_no_position_embedding(tmp_path):
                       "intermediate": 8192, "gated": True, "positions": False, "tied": False,
                       "attention": "sdpa", "attention_dropout": False, "logits": "fp32"}
     assert any("max_position_embeddings" in n for n in notes)
-    shape = dsc_memory.model_shape(16, 2048, 32, 128256, 4096, tied=False, intermediate=8192, gated=True,
+    shape = train_memory.model_shape(16, 2048, 32, 128256, 4096, tied=False, intermediate=8192, gated=True,
                                    positions=False)
     assert shape["params"] == 2 * 128256 * 2048 + 16 * (4 * 2048 ** 2 + 3 * 2048 * 8192 + 4 * 2048) + 2 * 2048
     # a config.json without a model size is not a model's (another program's settings)

@@ -7,7 +7,9 @@ import json
 import os
 from pathlib import Path
 
-from . import memory
+from train import memory
+
+from . import memory as shapes
 from .deepspeed_config import _run_sections, batch, compose_config, ds_config, precision
 from .problems import Problems, _is_int
 from .settings import as_bool
@@ -43,7 +45,7 @@ def _shape_value(key, value):
             return value
         return float(value) > 0 if isinstance(value, (int, float)) and 0 <= value < 1 else None
     if key == "attention":
-        return memory.ATTENTION_KINDS.get(str(value))
+        return shapes.ATTENTION_KINDS.get(str(value))
     if key == "logits":
         return str(value) if str(value) in LOGITS else None
     if key == "activation":  # transformers' ACT2FN name, as an HF config's activation_function
@@ -79,7 +81,7 @@ def _hf_config(given, entry, s, problems):
                          f"model's config.json (transformers' save_pretrained writes one).")
         return {}, None
     # Only a transformers config counts (another program's config.json says nothing of a model).
-    if not isinstance(cfg, dict) or not any(k in cfg for keys in memory.HF_KEYS.values() for k in keys):
+    if not isinstance(cfg, dict) or not any(k in cfg for keys in shapes.HF_KEYS.values() for k in keys):
         if named:
             problems.add(f"dsc_model_shape.config {found} names no model size (n_layer or "
                          f"num_hidden_layers, ...). Fix: the model's config.json from transformers.")
@@ -128,7 +130,7 @@ def _model_shape(opt, entry, problems, s=None):
     given = opt.get("dsc_model_shape") or {}
     if not entry["script"] and entry["module"] == "train.run" and not given:
         try:
-            shape, ckpt = memory.train_shape(opt["dsc_train_config"] or {})
+            shape, ckpt = shapes.train_shape(opt["dsc_train_config"] or {})
         except (ValueError, TypeError) as e:
             problems.add(f"preset=auto: dsc_train_config gives no model: {e}. Fix: train/config.py's keys.")
             return None
@@ -146,14 +148,14 @@ def _model_shape(opt, entry, problems, s=None):
         problems.add(f"dsc_model_shape is {given!r}: " + "; ".join(
             ([f"unknown keys {unknown}"] if unknown else []) + ([f"bad values for {bad}"] if bad else []))
             + f". Fix: {', '.join(MODEL_SHAPE_KEYS)} (positive whole numbers), and optionally "
-            f"attention ({' | '.join(memory.ATTENTION_KINDS)}), dropout and attention_dropout "
+            f"attention ({' | '.join(shapes.ATTENTION_KINDS)}), dropout and attention_dropout "
             f"(a probability or true/false), logits ({' | '.join(LOGITS)}), tied, gated and "
             f"activation_checkpointing (true/false), intermediate and params (whole numbers), activation "
             f"(the MLP's, as an HF config's activation_function: "
             f"{' | '.join(sorted(memory.ACTIVATIONS))}), config (the path of an HF config.json).")
         return None
     cfg, cfg_path = _hf_config(given, entry, s, problems)
-    values, assumed = memory.hf_config_shape(cfg) if cfg else ({}, [])
+    values, assumed = shapes.hf_config_shape(cfg) if cfg else ({}, [])
     values.update({k: _shape_value(k, v) for k, v in given.items() if k != "config"})
     if "dropout" in given and "attention_dropout" not in given:  # dropout: all of it, unless said apart
         values["attention_dropout"] = values["dropout"]

@@ -3,10 +3,13 @@ model's shape from train.run's config or from an HF config.json.
 
 The formula lives in one place, train/memory.py, because train/ is what runs on the nodes (a copy
 of train/ travels with every run) and train/run.py prints the same prediction there. This module
-imports it as `train.memory` (pure Python: no torch, no DeepSpeed) and re-exports it:
+is imported as `train.memory` (pure Python: no torch, no DeepSpeed) wherever it is needed:
 
+    from train import memory
     shape = memory.model_shape(layers=24, hidden=2048, heads=16, vocab=50304, seq_len=2048)
     memory.predict(shape, "zero2", micro_batch=8, world=1, gpus_per_node=1)["total"]
+
+This module adds only the shapes the plan reads from configs: train_shape, hf_config_shape.
 
 See train/memory.py for the parts and docs/memory.md for the measured check.
 """
@@ -113,22 +116,3 @@ def hf_config_shape(cfg: dict) -> tuple[dict, list]:
         notes.append(f"16-bit training: config.json's torch_dtype is {dtype}, and DeepSpeed's bf16/fp16 casts the model, "
                      f"so the prediction counts 16-bit weights and activations")
     return out, notes
-
-
-GiB = _memory.GiB
-OVERHEAD_BYTES = _memory.OVERHEAD_BYTES
-ACTIVATIONS = _memory.ACTIVATIONS
-ASSUMED_ACTIVATION = _memory.ASSUMED_ACTIVATION
-model_shape = _memory.model_shape
-shape_from_config = _memory.shape_from_config
-ds_zero2_estimate = _memory.ds_zero2_estimate
-ds_zero3_estimate = _memory.ds_zero3_estimate
-model_states = _memory.model_states
-zero_settings = _memory.zero_settings
-activation_bytes = _memory.activation_bytes
-logits_bytes = _memory.logits_bytes
-predict = _memory.predict
-
-__all__ = ["train_shape", "hf_config_shape", "HF_KEYS", "ATTENTION_KINDS", "ACTIVATIONS", "ASSUMED_ACTIVATION", "GiB", "OVERHEAD_BYTES", "model_shape", "shape_from_config", "ds_zero2_estimate",
-           "ds_zero3_estimate", "model_states", "zero_settings", "activation_bytes", "logits_bytes",
-           "predict"]
