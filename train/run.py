@@ -325,6 +325,8 @@ def main(argv=None) -> int:
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
     t_start = time.time()
+    # the total beside the entry shim's first progress lines, before metrics.jsonl has a line
+    os.environ["DSC_TOTAL_STEPS"] = str(cfg.steps)
     timeout = datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", cfg.timeout_min)))
     deepspeed.init_distributed(timeout=timeout)
     rank, world, local_rank = rank_info()

@@ -57,6 +57,8 @@ class EngineWatch:
         self.engine = None
         self.total_steps = None  # where the script's trainer says it (watch_trainer)
 
+    TOTAL_ENV = "DSC_TOTAL_STEPS"  # a script's own total (train.run sets it before its first step)
+
     def __call__(self, module):
         self.patch(module.DeepSpeedEngine)
 
@@ -151,8 +153,9 @@ class EngineWatch:
                 "samples": samples, "samples_per_s": None if rate is None else round(rate, 2),
                 "step_time_s": None if step_time is None else round(step_time, 4),
                 "time": round(now, 3)}
-        if self.total_steps:
-            line["total_steps"] = self.total_steps
+        total = self.total_steps or os.environ.get(self.TOTAL_ENV, "")
+        if str(total).isdigit() and int(total) > 0:
+            line["total_steps"] = int(total)
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         self.loss, self.micro, self.written_step = None, 0, self.step

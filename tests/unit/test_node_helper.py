@@ -882,6 +882,25 @@ def test_the_entry_shim_logs_hf_trainers_total_and_the_pace_and_records_the_engi
     assert watch.total_steps is None
 
 
+def test_the_entry_shim_takes_a_scripts_own_total_from_the_environment(tmp_path, monkeypatch):
+    """train.run sets DSC_TOTAL_STEPS: follow shows step N/total from the first progress line,
+    before its metrics.jsonl has one."""
+    class Engine(FakeEngine):
+        pass
+    watch = entry.EngineWatch(tmp_path / "progress.jsonl", every=0)
+    watch.patch(Engine)
+    engine = Engine(rank=0, stage=0)
+    monkeypatch.setenv(entry.EngineWatch.TOTAL_ENV, "400")
+    engine.backward(FakeLoss(2.0))
+    engine.step()
+    monkeypatch.setenv(entry.EngineWatch.TOTAL_ENV, "")
+    engine.backward(FakeLoss(1.0))
+    engine.step()
+    lines = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert [x.get("total_steps") for x in lines] == [400, None]
+    assert records.status(tmp_path, "own")["total_steps"] is None  # the newest line has none
+
+
 def test_the_config_shown_is_the_preset_only_where_the_preset_is_the_config(tmp_path):
     """dsc_ds_config_mode preset: the preset; none, hf, file: the ZeRO stage the run's engine
     reported, "its own" before it has; the launch's start answer and runs.yml say the same."""
