@@ -207,8 +207,12 @@ def mesh(a):
     return out
 
 
+RELEASE = b"R"  # what the last connection sends: every node has tried, the listener may go
+
+
 def listen(a):
-    """Hold the port the launch would take until every node connected to it (or time out)."""
+    """Hold the port the launch would take until every node connected to it, a release came
+    (connect with release: every node's attempt has ended, a blocked one too), or time out."""
     port = a["port"]
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -221,13 +225,15 @@ def listen(a):
             conn, peer = s.accept()
         except TimeoutError:
             continue
-        seen.append(peer[0])
         conn.settimeout(2.0)
         try:  # let the client close first, so TIME_WAIT stays on its side
-            conn.recv(1)
+            data = conn.recv(1)
         except OSError:
-            pass
+            data = b""
         conn.close()
+        if data == RELEASE:
+            break
+        seen.append(peer[0])
     s.close()
     return {"port": port, "seen": seen}
 
@@ -236,7 +242,9 @@ def connect(a):
     deadline, last = time.time() + a.get("timeout", 5), "no attempt"
     while time.time() < deadline:
         try:
-            with socket.create_connection((a["host"], a["port"]), timeout=max(0.5, deadline - time.time())):
+            with socket.create_connection((a["host"], a["port"]), timeout=max(0.5, deadline - time.time())) as c:
+                if a.get("release"):
+                    c.sendall(RELEASE)
                 return {"ok": True, "msg": "connected"}
         except TimeoutError:
             last = f"timed out after {a.get('timeout', 5)} s (a firewall dropping packets?)"

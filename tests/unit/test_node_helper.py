@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import tarfile
 import tempfile
 import time
@@ -80,6 +81,22 @@ def test_free_port_skips_a_port_in_use():
         assert checks.free_port(busy, busy + 1) in (busy + 1, None)
     finally:
         s.close()
+
+
+def test_the_preflight_listener_counts_connections_and_goes_at_a_release():
+    """preflight's TCP check on loopback: a node's connection is seen; a release (sent once every
+    node's attempt has ended) ends the listener at once, not at its timeout, and is not a node."""
+    port = checks.free_port(29600, 29700)
+    out = {}
+    listener = threading.Thread(target=lambda: out.update(checks.listen({"port": port, "expect": 2, "seconds": 30})))
+    t0 = time.time()
+    listener.start()
+    time.sleep(0.3)
+    assert checks.connect({"host": "127.0.0.1", "port": port, "timeout": 3})["ok"]
+    assert checks.connect({"host": "127.0.0.1", "port": port, "timeout": 3, "release": True})["ok"]
+    listener.join(10)
+    assert not listener.is_alive() and time.time() - t0 < 5
+    assert out == {"port": port, "seen": ["127.0.0.1"]}
 
 
 def test_pid_alive_reads_dead_and_other_users_processes(tmp_path):
