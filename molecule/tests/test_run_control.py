@@ -31,7 +31,10 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
     SIGTERM, would pkill every launcher matching its command line on every node)."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/rc-a {OTHER_ROOT} && install -d -o dstrain -g dstrain {OTHER_ROOT}")
-    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)})]
+    # No preflight: the runs are what this test reads.
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}),
+             "-e", "preflight=false"]
+    a_stopped = False
     try:
         a = cluster.playbook("launch.yml", "-e", "run_id=rc-a", *train)
         assert a.returncode == 0, a.output[-3000:]
@@ -49,6 +52,7 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
         for n in cluster.names:
             assert procs(cluster, n, "rc-a") == [], n
             assert any("train.run" in p["cmd"] for p in procs(cluster, n, "rc-b")), f"rc-b lost its rank on {n}"
+        a_stopped = True  # no process of rc-a on any node: the stop below is rc-b's alone
         before = last_step(cluster, OTHER_ROOT, "rc-b")
         wait(lambda: last_step(cluster, OTHER_ROOT, "rc-b") > before + 5, 120, "rc-b training on after rc-a's stop")
         status = cluster.playbook("status.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
@@ -58,7 +62,8 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
         for n in cluster.names:
             assert f"{n}: stopped, ranks alive 0" in stopped.output, stopped.output[-3000:]
     finally:
-        cluster.playbook("stop.yml", "-e", "run_id=rc-a")
+        if not a_stopped:
+            cluster.playbook("stop.yml", "-e", "run_id=rc-a")
         cluster.playbook("stop.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
 
 
