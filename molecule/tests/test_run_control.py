@@ -149,7 +149,7 @@ def test_every_row_tells_a_finished_run(provisioned, cluster):
     records on every node."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/rc-done")
-    r = cluster.playbook("launch.yml", "-e", "run_id=rc-done", "-e", "follow=true",
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-done", "-e", "follow=true", "-e", "preflight=false",
                          "-e", json.dumps({"dsc_train_config": dict(TINY, steps=4, save_every=100)}))
     assert r.returncode == 0, r.output[-3000:]
     wait(lambda: all(cluster.exec(n, f"test -f {RUNS}/rc-done/exit_code", check=False).returncode == 0
@@ -228,7 +228,8 @@ def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, c
     (tmp_path / "boom.py").write_text(
         "import os\n\n\ndef main():\n"
         "    raise ValueError('bad shape (3, 4) on rank ' + os.environ.get('RANK', '?'))\n\n\nmain()\n")
-    r = cluster.playbook("launch.yml", "-e", "run_id=rc-boom", "-e", "follow=true", "-e", f"dsc_code_dir={tmp_path}",
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-boom", "-e", "follow=true", "-e", "preflight=false",
+                         "-e", f"dsc_code_dir={tmp_path}",
                          "-e", "dsc_entry_script=boom.py", "-e", "dsc_ds_config_mode=none")
     assert r.returncode != 0
     assert "Run rc-boom failed" in r.output and "ValueError: bad shape (3, 4) on rank" in r.output, r.output[-3000:]
@@ -240,7 +241,7 @@ def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, c
 
 def test_follow_prints_progress_lines_not_retry_messages(provisioned, cluster):
     # Long enough for several of follow's polls (1 s in the test inventory) once steps come.
-    r = cluster.playbook("launch.yml", "-e", "run_id=rc-follow", "-e", "follow=true",
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-follow", "-e", "follow=true", "-e", "preflight=false",
                          "-e", json.dumps({"dsc_train_config": dict(TINY, steps=400, log_every=10, save_every=10000)}))
     assert r.returncode == 0, r.output[-3000:]
     steps = [int(line.split("step ")[1].split("/")[0]) for line in r.output.splitlines()
