@@ -160,9 +160,9 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
         launch(cluster, run_id, 100000, every)
         cluster.wait_checkpoint(run_id, 2 * every)
         now = cluster.run_status(run_id)["last"]["step"]
-        # 25 saves ahead: seconds at this run's pace (a checkpoint, fsynced, every 4 steps), and
-        # the FIFO is in place one podman exec from now.
-        stuck = (now // every + 25) * every
+        # 40 saves ahead: seconds at this run's pace (a checkpoint, fsynced, every 4 steps: the
+        # 100 it was cost ~15 s of saves here), and the FIFO is in place one podman exec from now.
+        stuck = (now // every + 40) * every
         cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
                                      f"mkfifo {RUNS}/{run_id}/checkpoints/step{stuck}/mp_rank_00_model_states.pt",
                      user="dstrain")
