@@ -1,6 +1,7 @@
 """Runs that survive faults, on the container cluster: a killed rank, a dead worker, a dropped
 connection, a busy port, a second launch, a stop during a checkpoint write, automatic restart.
-Each test measures what it claims and leaves nothing running (stop.yml in `finally`)."""
+Each test measures what it claims and leaves nothing running (stop.yml in `finally`, unless the
+test saw every process of its runs end)."""
 import json
 import subprocess
 import time
