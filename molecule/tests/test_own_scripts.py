@@ -20,6 +20,9 @@ ENV = "/opt/dscluster/env"
 # dsc_data_dir syncs it to the same path on every node.
 DATA = "/tmp/dscluster-test-data"
 SECRET = "hf_dsctest_7f3a91c2e5b8d4"
+# Launch's preflight costs seconds of CPU per launch; the tests that only train a script skip it
+# (test_preflight.py covers it; the secrets test keeps it: nothing a launch does may see the secret).
+NO_PREFLIGHT = ["-e", "preflight=false"]
 
 
 def e(**values):
@@ -133,14 +136,15 @@ def test_a_package_changed_on_one_node_is_a_preflight_fail(provisioned, cluster)
     finally:
         cluster.exec(worker, f"{ENV}/bin/pip install -q --no-deps --no-index --find-links /opt/dscluster/wheelhouse "
                              f"packaging=={was}", user="dstrain")
-    assert cluster.playbook("preflight.yml").returncode == 0
+    # Healthy again: the fast checks, the packages row among them (the network is not what changed).
+    assert cluster.playbook("preflight.yml", "-e", "preflight_full=false").returncode == 0
 
 
 @pytest.mark.parametrize("preset", ["zero2", "zero3"])
 def test_deepspeed_examples_cifar_trains_across_both_nodes(data, cluster, preset):
     """The script passes its own config to deepspeed.initialize (mode none, its --stage flag)."""
     run_id = f"own-cifar-{preset}"
-    launch(cluster, run_id, *CIFAR, "-e", f"preset={preset}", "-e", "follow=true",
+    launch(cluster, run_id, *CIFAR, "-e", f"preset={preset}", "-e", "follow=true", *NO_PREFLIGHT,
            *e(dsc_entry_args=["--deepspeed", "--stage", preset[-1], "--epochs", "1", "--log-interval", "8",
                               "--dtype", "fp32"]))
     # 512 synthetic samples, the script's global batch of 16: 32 steps
@@ -157,7 +161,7 @@ def test_deepspeed_examples_cifar_trains_across_both_nodes(data, cluster, preset
 @pytest.mark.parametrize("preset", ["zero2", "zero3"])
 def test_transformers_run_clm_trains_across_both_nodes(data, cluster, preset):
     run_id = f"own-clm-{preset}"
-    launch(cluster, run_id, *clm_args(preset, 12), "-e", "follow=true")
+    launch(cluster, run_id, *clm_args(preset, 12), "-e", "follow=true", *NO_PREFLIGHT)
     st = assert_finished_with_progress(cluster, run_id, 12)
     assert st["total_steps"] == 12 and st["config"] == f"ZeRO stage {preset[-1]}", st  # HF's Trainer's
     cfg = json.loads(cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/ds_config.json").stdout)
@@ -174,7 +178,7 @@ def test_transformers_run_clm_trains_across_both_nodes(data, cluster, preset):
 @pytest.mark.parametrize("preset", ["zero2", "zero3"])
 def test_accelerate_script_trains_across_both_nodes(data, cluster, preset):
     run_id = f"own-acc-{preset}"
-    launch(cluster, run_id, *accelerate_args(preset, 12), "-e", "follow=true")
+    launch(cluster, run_id, *accelerate_args(preset, 12), "-e", "follow=true", *NO_PREFLIGHT)
     assert_finished_with_progress(cluster, run_id, 12)
     env = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/.deepspeed_env").stdout
     assert f"ACCELERATE_DEEPSPEED_CONFIG_FILE={RUNS}/{run_id}/ds_config.json" in env
@@ -186,8 +190,8 @@ def files_on_every_node(cluster, run_id, path):
 
 
 def test_run_clm_stopped_mid_run_resumes_from_its_checkpoint(data, cluster):
-    run_id = "own-clm-resume"
-    launch(cluster, run_id, *clm_args("zero2", 2000, save_steps=50))
+    run_id, ended = "own-clm-resume", False
+    launch(cluster, run_id, *clm_args("zero2", 2000, save_steps=50), *NO_PREFLIGHT)
     try:
         # the Trainer writes trainer_state.json last: checkpoint-50 complete on both nodes
         wait(lambda: files_on_every_node(cluster, run_id, "out/checkpoint-50/trainer_state.json"), 900,
@@ -198,15 +202,17 @@ def test_run_clm_stopped_mid_run_resumes_from_its_checkpoint(data, cluster):
         done = max(int(x.rsplit("-", 1)[1]) for x in cluster.exec(
             cluster.master, f"ls -d {RUNS}/{run_id}/code/out/checkpoint-*").stdout.split())
         # resume.yml starts the same entry point from launch.json; -e gives it a nearer end
-        r = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
+        r = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "follow=true", *NO_PREFLIGHT,
                              *e(dsc_entry_args=clm_entry_args(done + 10, 50)))
         assert r.returncode == 0, r.output[-6000:]
+        ended = True  # followed to its end: nothing of the run is left for stop.yml
         assert_finished_with_progress(cluster, run_id, done + 10)
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
         assert f"--resume_from_checkpoint out/checkpoint-{done}" in log
         assert f"Continuing training from global step {done}" in log, log[-3000:]
     finally:
-        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        if not ended:
+            cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
 def test_accelerate_script_restarted_by_max_restarts_finishes(data, cluster):
@@ -214,9 +220,9 @@ def test_accelerate_script_restarted_by_max_restarts_finishes(data, cluster):
     only (unless the script sets ProjectConfiguration(save_on_each_node=True), which this one
     does not), so with node-local run directories the other node cannot load them: this script's
     restart starts over (dsc_resume_args []); run_clm.py above resumes from its checkpoint."""
-    run_id, worker = "own-acc-restart", cluster.names[1]
+    run_id, worker, ended = "own-acc-restart", cluster.names[1], False
     launch(cluster, run_id, *accelerate_args("zero2", 200, checkpoint_every=1000, resume_args=()),
-           "-e", "max_restarts=1", "-e", "restart_backoff_s=2")
+           "-e", "max_restarts=1", "-e", "restart_backoff_s=2", *NO_PREFLIGHT)
     try:
         wait(lambda: (cluster.run_status(run_id).get("last") or {}).get("step", 0) >= 10, 600, "ten steps")
         victim = wait(lambda: cluster.rank_pids(worker, run_id, "--script deepspeed_with_config_support.py"), 60,
@@ -225,6 +231,7 @@ def test_accelerate_script_restarted_by_max_restarts_finishes(data, cluster):
         st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 900,
                   "the restarted run to end", every=2)
         assert st["state"] == "finished" and st["restarts"] == 1, st
+        ended = True  # its supervisor recorded the end: nothing of the run is left for stop.yml
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
         assert "[dsc_node] restart 1/1" in log and f"a rank on {worker} was killed by SIGKILL" in log
         # the same entry point, launcher options and arguments both times
@@ -233,7 +240,8 @@ def test_accelerate_script_restarted_by_max_restarts_finishes(data, cluster):
                                          for x in spawned), spawned
         assert_finished_with_progress(cluster, run_id, 200)
     finally:
-        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        if not ended:
+            cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
 SECRET_SCRIPT = """import hashlib, os, pathlib, time
@@ -250,7 +258,7 @@ def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
     (code / "show_secret.py").write_text(SECRET_SCRIPT)
     vars_file = tmp_path / "secrets.yml"  # what a user keeps in an ansible-vault file
     vars_file.write_text(f"dsc_secrets:\n  HF_TOKEN: {SECRET}\n")
-    run_id = "own-secret"
+    run_id, ended = "own-secret", False
     launch(cluster, run_id, "-e", f"@{vars_file}", "-e", f"dsc_code_dir={code}", "-e", "dsc_entry_script=show_secret.py",
            "-e", "dsc_ds_config_mode=none", "-v")
     try:
@@ -263,6 +271,7 @@ def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
             cmdlines = cluster.exec(node, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '", check=False).stdout
             assert "show_secret.py" in cmdlines and SECRET not in cmdlines
         wait(lambda: cluster.run_status(run_id)["state"] == "finished", 120, "the run to finish")
+        ended = True  # its supervisor recorded the end: nothing of the run is left for stop.yml
         logs = tmp_path / "logs"
         fetched = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", f"logs_dest={logs}")
         assert fetched.returncode == 0, fetched.output[-3000:]
@@ -277,7 +286,8 @@ def test_secrets_reach_the_ranks_and_nowhere_else(data, cluster, tmp_path):
             assert hits == [], hits
         assert SECRET not in fetched.output
     finally:
-        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        if not ended:
+            cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -321,7 +331,9 @@ def test_a_shared_data_path_must_be_readable_on_every_node(data, cluster):
     worker = cluster.names[1]
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {shared} && mkdir -p {shared} && echo x > {shared}/part-0 && chmod -R a+rX {shared}")
-    ok = cluster.playbook("preflight.yml", "-e", f"dsc_data_dir={shared}", "-e", "dsc_data_shared=true")
+    # The fast checks (the readable rows are theirs; the network measurements read no data).
+    ok = cluster.playbook("preflight.yml", "-e", f"dsc_data_dir={shared}", "-e", "dsc_data_shared=true",
+                          "-e", "preflight_full=false")
     assert ok.returncode == 0, ok.output[-3000:]
     assert ok.output.count(f"{shared} readable by dstrain") >= 2, ok.output[-3000:]  # a row per node
     cluster.exec(worker, f"chmod 0700 {shared}")  # root's only: the ranks could not read it

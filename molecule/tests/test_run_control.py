@@ -31,7 +31,10 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
     SIGTERM, would pkill every launcher matching its command line on every node)."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/rc-a {OTHER_ROOT} && install -d -o dstrain -g dstrain {OTHER_ROOT}")
-    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)})]
+    # No preflight: the runs are what this test reads.
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}),
+             "-e", "preflight=false"]
+    a_stopped = False
     try:
         a = cluster.playbook("launch.yml", "-e", "run_id=rc-a", *train)
         assert a.returncode == 0, a.output[-3000:]
@@ -49,6 +52,7 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
         for n in cluster.names:
             assert procs(cluster, n, "rc-a") == [], n
             assert any("train.run" in p["cmd"] for p in procs(cluster, n, "rc-b")), f"rc-b lost its rank on {n}"
+        a_stopped = True  # no process of rc-a on any node: the stop below is rc-b's alone
         before = last_step(cluster, OTHER_ROOT, "rc-b")
         wait(lambda: last_step(cluster, OTHER_ROOT, "rc-b") > before + 5, 120, "rc-b training on after rc-a's stop")
         status = cluster.playbook("status.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
@@ -58,7 +62,8 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
         for n in cluster.names:
             assert f"{n}: stopped, ranks alive 0" in stopped.output, stopped.output[-3000:]
     finally:
-        cluster.playbook("stop.yml", "-e", "run_id=rc-a")
+        if not a_stopped:
+            cluster.playbook("stop.yml", "-e", "run_id=rc-a")
         cluster.playbook("stop.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
 
 
@@ -66,24 +71,26 @@ def test_a_followed_run_stopped_on_purpose_ends_follow_with_rc_0_naming_the_stop
     """stop.yml during a followed launch: the launch's follow ends with rc 0 and "stopped by
     stop.yml at step N" (N the last step logged); status.yml -e follow=true of the stopped run
     says the same."""
-    run_id, followed = "rc-follow-stop", {}
+    run_id, followed, stopped = "rc-follow-stop", {}, False
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/{run_id}")
     train = json.dumps({"dsc_train_config": dict(TINY, steps=100000, log_every=5, save_every=100000)})
     launch = threading.Thread(target=lambda: followed.update(r=cluster.playbook(
-        "launch.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", train)))
+        "launch.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "preflight=false", "-e", train)))
     launch.start()
     try:
         wait(lambda: last_step(cluster, RUNS, run_id) > 5, 240, f"{run_id} training")
         stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         assert stop.returncode == 0, stop.output[-3000:]
+        stopped = True  # stop.yml found no process of the run left on any node
         launch.join(300)
         said = f"Run {run_id} stopped by stop.yml at step {last_step(cluster, RUNS, run_id)}."
         assert followed["r"].returncode == 0 and said in followed["r"].output, followed["r"].output[-3000:]
         status = cluster.playbook("status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
         assert status.returncode == 0 and said in status.output, status.output[-3000:]
     finally:
-        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        if not stopped:
+            cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         launch.join(60)
 
 
@@ -95,6 +102,7 @@ def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisione
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/{run}")
     train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=1500, save_every=100)})]
+    ended = False
     try:
         r = cluster.playbook("launch.yml", "-e", f"run_id={run}", *no_ssh, *train)
         assert r.returncode == 0, r.output[-3000:]
@@ -115,11 +123,15 @@ def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisione
             assert f"{n}: stopped" in stop.output and procs(cluster, n, run) == [], stop.output[-3000:]
         stopped_at = last_step(cluster, RUNS, run)
         assert stopped_at < 1500
-        resume = cluster.playbook("resume.yml", "-e", f"run_id={run}", "-e", "follow=true", *no_ssh)
+        # On to a nearer end than the launch's 1500 (as resume.yml -e allows): past the stop.
+        end = stopped_at + 20
+        resume = cluster.playbook("resume.yml", "-e", f"run_id={run}", "-e", "follow=true", *no_ssh,
+                                  "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={end}"]}))
         assert resume.returncode == 0, resume.output[-3000:]
-        assert last_step(cluster, RUNS, run) == 1500
+        assert last_step(cluster, RUNS, run) == end
         for n in cluster.names:
             assert cluster.exec(n, f"cat {RUNS}/{run}/exit_code").stdout.strip() == "0", n
+        ended = True  # every node's launcher recorded its end: nothing left for stop.yml
         # each node's own launcher log, read on that node (and fetched from it)
         logs = cluster.playbook("logs.yml", "-e", f"run_id={run}", "-e", "lines=3", *no_ssh,
                                 "-e", f"logs_dest={tmp_path}")
@@ -128,7 +140,8 @@ def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisione
             assert f"== {n} (last 3 lines)" in logs.output, logs.output[-3000:]
             assert (tmp_path / run / n / "launcher.log").stat().st_size > 0
     finally:
-        cluster.playbook("stop.yml", "-e", f"run_id={run}", *no_ssh)
+        if not ended:
+            cluster.playbook("stop.yml", "-e", f"run_id={run}", *no_ssh)
 
 
 def test_every_row_tells_a_finished_run(provisioned, cluster):
@@ -136,7 +149,7 @@ def test_every_row_tells_a_finished_run(provisioned, cluster):
     records on every node."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/rc-done")
-    r = cluster.playbook("launch.yml", "-e", "run_id=rc-done", "-e", "follow=true",
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-done", "-e", "follow=true", "-e", "preflight=false",
                          "-e", json.dumps({"dsc_train_config": dict(TINY, steps=4, save_every=100)}))
     assert r.returncode == 0, r.output[-3000:]
     wait(lambda: all(cluster.exec(n, f"test -f {RUNS}/rc-done/exit_code", check=False).returncode == 0
@@ -215,7 +228,8 @@ def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, c
     (tmp_path / "boom.py").write_text(
         "import os\n\n\ndef main():\n"
         "    raise ValueError('bad shape (3, 4) on rank ' + os.environ.get('RANK', '?'))\n\n\nmain()\n")
-    r = cluster.playbook("launch.yml", "-e", "run_id=rc-boom", "-e", "follow=true", "-e", f"dsc_code_dir={tmp_path}",
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-boom", "-e", "follow=true", "-e", "preflight=false",
+                         "-e", f"dsc_code_dir={tmp_path}",
                          "-e", "dsc_entry_script=boom.py", "-e", "dsc_ds_config_mode=none")
     assert r.returncode != 0
     assert "Run rc-boom failed" in r.output and "ValueError: bad shape (3, 4) on rank" in r.output, r.output[-3000:]
@@ -227,7 +241,7 @@ def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, c
 
 def test_follow_prints_progress_lines_not_retry_messages(provisioned, cluster):
     # Long enough for several of follow's polls (1 s in the test inventory) once steps come.
-    r = cluster.playbook("launch.yml", "-e", "run_id=rc-follow", "-e", "follow=true",
+    r = cluster.playbook("launch.yml", "-e", "run_id=rc-follow", "-e", "follow=true", "-e", "preflight=false",
                          "-e", json.dumps({"dsc_train_config": dict(TINY, steps=400, log_every=10, save_every=10000)}))
     assert r.returncode == 0, r.output[-3000:]
     steps = [int(line.split("step ")[1].split("/")[0]) for line in r.output.splitlines()
