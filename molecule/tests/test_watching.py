@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
 TINY = {"vocab_size": 512, "seq_len": 64}
 PLOTS = ROOT / "runs" / "testcluster" / "plots"
-# Short enough for the suite, long enough for several of follow's 1 s polls (the test inventory's
+# Short enough for the suite, long enough for several of follow's 2 s polls (the test inventory's
 # follow_every_s) and log polls (follow_log_every_s) while the ranks train.
 FOLLOWED_STEPS = 300
 # A stopped rank is a stall after this long without a step (a tiny step takes ~20 ms here).
