@@ -3,9 +3,10 @@
 #   unit       tests/unit: pure logic (the plan, the node helper, train/config.py); seconds, nothing installed
 #   local      tests/local: what needs no container (train/ on 2 CPU ranks here, ansible-lint, ruff)
 #   container  molecule/tests: what needs real nodes (a cluster of podman containers over SSH)
-# It installs what each tier needs just before it (the control venv; the offline wheelhouse and a
-# CPU torch+DeepSpeed venv; podman, runc and debootstrap from apt and the node images), and ends
-# with where the time went (scripts/timings.py over .cache/timings.jsonl).
+# It installs what each tier needs (the control venv; the offline wheelhouse and a CPU
+# torch+DeepSpeed venv; podman, runc and debootstrap from apt and the node images), the downloads
+# beside the unit tier and each other, and ends with where the time went (scripts/timings.py over
+# .cache/timings.jsonl).
 #   bash scripts/test.sh [pytest args for the container tier]
 #   DSC_TIERS="unit local" bash scripts/test.sh     # only these tiers
 set -euo pipefail
@@ -47,14 +48,12 @@ trap summary EXIT
 wants() { [[ " $tiers " == *" $1 "* ]]; }
 
 phase "control venv" bash scripts/setup-control.sh
-if wants unit; then phase "unit tier" tier unit tests/unit -q -rs; fi
 
-if wants local || wants container; then
-  phase "wheelhouse" env REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
-fi
-
-if wants container; then
-  need=()
+# What the container tier needs from outside (podman and its friends from apt, the node images
+# from debootstrap, the test packages from PyPI: mostly downloads) comes beside the unit tier and
+# the wheelhouse.
+node_tools() {
+  local need=() tool
   for tool in podman runc debootstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
   if [ ${#need[@]} -gt 0 ]; then
     phase "podman runc debootstrap openssh-client rsync (apt)" bash -c 'apt-get update -qq &&
@@ -66,15 +65,41 @@ if wants container; then
   # test; a source build without a pyproject.toml needs wheel beside setuptools), and another
   # version of packaging than the wheelhouse's (the version-skew preflight test).
   if [ ! -d .cache/test-packages ]; then
-    fetch_test_packages() {
-      . requirements/pins.env
-      local fetch=(.venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d .cache/test-packages.part)
-      "${fetch[@]}" --no-binary :all: "deepspeed==$DEEPSPEED_VERSION"
-      "${fetch[@]}" --only-binary :all: wheel packaging==26.3
-      mv .cache/test-packages.part .cache/test-packages
-    }
     phase "test packages (.cache/test-packages)" fetch_test_packages
   fi
+}
+fetch_test_packages() {
+  . requirements/pins.env
+  local fetch=(.venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d .cache/test-packages.part)
+  "${fetch[@]}" --no-binary :all: "deepspeed==$DEEPSPEED_VERSION"
+  "${fetch[@]}" --only-binary :all: wheel packaging==26.3
+  mv .cache/test-packages.part .cache/test-packages
+}
+if wants container; then
+  node_tools >.cache/node-tools.log 2>&1 &
+  node_tools_job=$!
+fi
+
+if wants unit; then phase "unit tier" tier unit tests/unit -q -rs; fi
+
+if wants local || wants container; then
+  phase "wheelhouse" env REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
+fi
+
+# The local tier's torch and DeepSpeed (offline, from the wheelhouse), beside the node images.
+if wants local; then
+  train_venv() {
+    [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
+      'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
+  }
+  train_venv >.cache/train-venv.log 2>&1 &
+  train_venv_job=$!
+fi
+
+if wants container; then
+  echo "== waiting for podman and the node images (.cache/node-tools.log)"
+  if ! wait "$node_tools_job"; then cat .cache/node-tools.log; exit 1; fi
+  cat .cache/node-tools.log
   for c in 0 1; do
     phase "removing what an earlier, killed run left behind (cluster $c)" env DSC_TEST_CLUSTER=$c .venv/bin/python molecule/cluster.py down
   done
@@ -86,10 +111,8 @@ if wants container; then
 fi
 
 if wants local; then
-  if [ ! -x .cache/train-venv/bin/deepspeed ]; then
-    phase "train venv (offline, from the wheelhouse)" bash -c \
-      'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
-  fi
+  echo "== waiting for the train venv (.cache/train-venv.log)"
+  if ! wait "$train_venv_job"; then cat .cache/train-venv.log; exit 1; fi
   phase "local tier" tier local tests/local -v -rs --durations=5
 fi
 
