@@ -139,7 +139,7 @@ def status(run_dir, run_id):
         if failure:
             error = f"{failure['message']}; first error: {error}" if error else failure["message"]
     try:
-        started = (run / "run_id").stat().st_mtime
+        started = (run / RunDir.RUN_ID).stat().st_mtime
     except OSError:
         started = None
     return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
@@ -247,7 +247,7 @@ def runs_table(run_root):
         run = RunDir(Path(run_root) / r["id"])
         st = status(run.path, r["id"])
         try:
-            started = (run / "run_id").stat().st_mtime
+            started = (run / RunDir.RUN_ID).stat().st_mtime
         except OSError:
             started = r["mtime"]
         try:
