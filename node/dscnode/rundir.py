@@ -44,6 +44,7 @@ class RunDir:
     SUMMARY = "summary.json"      # train.run's totals, written when it ends
     COMPLETE = "COMPLETE"         # in checkpoints/step<N>/: train.run's mark that the checkpoint is whole
     ALLREDUCE = "allreduce.json"  # train.allreduce's result, which preflight.yml reports
+    OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)
 
     def __init__(self, path):
         self.path = Path(path)
