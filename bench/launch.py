@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import cluster as testcluster
+from dscnode import INSTALLED_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,9 +94,11 @@ def by_hand(c, template, run_id, addr):
     port = c.exec(c.master, f"cat {dst}/master_port").stdout.strip()
     one = " --no_ssh_check" if len(c.names) == 1 else ""
     deepspeed = c.exec(c.master, f"grep -m1 '^PATH=' {dst}/.deepspeed_env").stdout.split("=", 1)[1].split(":")[0]
-    # The environment a user sets by hand (the env's PATH, the accelerator, caches, NCCL).
+    # The environment a user sets by hand (the env's PATH, the accelerator, caches, NCCL), and the
+    # node helper on the import path: train/ takes the run directory's names from it (a launch's
+    # ranks run inside it; DeepSpeed's runner passes PYTHONPATH on to the other nodes).
     cmd = (f"cd {dst}/code && set -a && . {dst}/.deepspeed_env && set +a && "
-           f"DS_ENV_FILE={dst}/.deepspeed_env DSC_RUN_DIR={dst} "
+           f"DS_ENV_FILE={dst}/.deepspeed_env DSC_RUN_DIR={dst} PYTHONPATH={INSTALLED_PATH} "
            f"{deepspeed}/deepspeed --hostfile {dst}/hostfile --master_addr {addr} "
            f"--master_port {port}{one} --module train.run --deepspeed_config {dst}/ds_config.json "
            f"--config {dst}/train.json > {dst}/launcher.log 2>&1; echo $? > {dst}/exit_code")

@@ -1,7 +1,7 @@
 """All-reduce bus bandwidth across every rank, started the way a training run is (preflight.yml).
 
-Single node:
-    deepspeed --num_gpus 2 --module train.allreduce --sizes 1,16,256
+Single node, from the repository root (node/ on the import path: the run directory's names):
+    PYTHONPATH=$PWD/node deepspeed --num_gpus 2 --module train.allreduce --sizes 1,16,256
 Multi-node, as preflight.yml runs it through launch.yml's path from the master:
     deepspeed --hostfile hostfile --master_addr ADDR --master_port 29500 \
         --module train.allreduce --deepspeed_config ds_config.json --sizes 1,4,16
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from dscnode.rundir import RunDir
 
 
 def parse_args(argv=None):
@@ -88,7 +90,7 @@ def main(argv=None):
         result = {"world_size": world, "backend": dist.get_backend(), "device": str(device.type),
                   "iters": args.iters, "rows": rows,
                   "busbw_gbps_max": max(r["busbw_gbps"] for r in rows)}
-        out = Path(args.out or Path(os.environ.get("DSC_RUN_DIR", ".")) / "allreduce.json")
+        out = Path(args.out or Path(os.environ.get("DSC_RUN_DIR", ".")) / RunDir.ALLREDUCE)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.rename(out)

@@ -2,7 +2,7 @@
 to prune, how much space the next one needs, and getting a written one onto stable storage.
 
 run.py calls these around DeepSpeed's save_checkpoint; tests/unit tests them without torch
-(standard library only).
+(standard library only, and the run directory's names from dscnode.rundir).
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import re
 import stat
 from pathlib import Path
 
-COMPLETE = "COMPLETE"
+from dscnode.rundir import RunDir
+
+COMPLETE = RunDir.COMPLETE
 TAG = re.compile(r"step(0|[1-9][0-9]*)")
 # Bytes per parameter of a checkpoint when none is on disk yet to measure: the ZeRO paper's figure
 # for mixed-precision Adam (fp16/bf16 weights 2 + fp32 master weights 4 + Adam's two fp32 moments

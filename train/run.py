@@ -1,7 +1,9 @@
 """DeepSpeed training entry point: a GPT-style decoder or a BERT-style MLM, with exact resume.
 
-Single node (one process per GPU, or ranks on CPU with DS_ACCELERATOR=cpu):
-    deepspeed --num_gpus 1 --module train.run --deepspeed_config ds_config.json --set size=125m
+Single node (one process per GPU, or ranks on CPU with DS_ACCELERATOR=cpu), from the repository
+root, with node/ on the import path for the run directory's names (a launch's ranks have them from
+the node helper, which runs this module):
+    PYTHONPATH=$PWD/node deepspeed --num_gpus 1 --module train.run --deepspeed_config ds_config.json --set size=125m
 Multi-node, as launch.yml runs it from the master (same paths on every node):
     deepspeed --hostfile hostfile --master_addr ADDR --master_port 29500 \
         --module train.run --deepspeed_config ds_config.json --config train.json [--resume]
@@ -30,6 +32,9 @@ from pathlib import Path
 
 import torch
 
+# The run directory's names (RunDir): in a rank, dscnode is the node helper that runs this module
+# (its entry shim); on the control node, the venv's dscluster.pth lists node/.
+from dscnode.rundir import RunDir
 from train.checkpoints import (fsync_path, fsync_tree, latest_complete, mark_complete, needed_bytes,
                                prune, space_problem, tree_size)
 from train.config import ConfigError, load_config
@@ -129,8 +134,8 @@ def read_configs(args):
     ConfigError naming what is wrong."""
     cfg = load_config(args.config or None, args.set)
     run_dir = Path(cfg.run_dir or os.environ.get("DSC_RUN_DIR") or os.getcwd())
-    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
-    ds_path = args.ds_config or str(run_dir / "ds_config.json")
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / RunDir.CHECKPOINTS
+    ds_path = args.ds_config or str(run_dir / RunDir.DS_CONFIG)
     try:
         ds_cfg = json.loads(Path(ds_path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -308,7 +313,7 @@ def write_summary(run_dir, *, step, start_step, world, precision, stage, losses,
         summary["peak_mem_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     else:
         summary["rss_max_gib"] = rss_max_gib()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (run_dir / RunDir.SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
     print("SUMMARY " + json.dumps(summary), flush=True)
 
 
@@ -358,7 +363,7 @@ def main(argv=None) -> int:
     tokens_per_step = mb * ga * world * cfg.seq_len
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = (run_dir / "metrics.jsonl").open("a") if rank == 0 else None
+    metrics = (run_dir / RunDir.METRICS).open("a") if rank == 0 else None
     if rank == 0:
         print(json.dumps({"event": "start", "rank0_host": os.uname().nodename, "world": world,
                           "precision": precision, "zero_stage": stage, "offload": offload,

@@ -6,7 +6,7 @@ installed. The node's system python3 runs every action (cli.py); each rank's env
 entry shim (entry.py), which imports rundir.py and nothing else of the package.
 
     rundir.py      the run directory's layout (RunDir), its secrets, atomic writes, reads that follow no link
-    entry.py       the entry shim: the run's secrets, DeepSpeed's engine watched, the user's script
+    entry.py       the entry shim: the run's secrets, DeepSpeed's engine watched and its JIT op builds recorded, the user's script
     procs.py       a run's processes (found, signalled, stopped), pid files, op-build locks
     records.py     what a run recorded: status, runs table, history, log tail, memory, step downs
     probe.py       what the plan needs from a node, read-only

@@ -3,9 +3,10 @@
     <env python> -u dsc_node.pyz [--local_rank=N] entry --script FILE | --module NAME [ARGS...]
 
 and runs here, under the training env's python: the run's secrets into its environment,
-DeepSpeed's engine watched for progress (EngineWatch, through an import hook), then the user's
-script or module in this process. It imports rundir.py and the standard library, nothing else of
-the package: its import cost is every rank's."""
+DeepSpeed's engine watched for progress (EngineWatch) and its JIT op builds recorded
+(OpBuildWatch), both through an import hook, then the user's script or module in this process.
+It imports rundir.py and the standard library, nothing else of the package: its import cost is
+every rank's."""
 import atexit
 import importlib.util
 import json
@@ -162,6 +163,59 @@ class EngineWatch:
         self.time, self.samples = now, samples
 
 
+class OpBuildWatch:
+    """DeepSpeed's JIT op builds, which a rank waits on before its first step: OpBuilder.jit_load
+    compiles an op (torch's cpp_extension.load: ninja, g++, nvcc) the first time a node uses it,
+    a minute or more (70 s for cpu_adam, DeepSpeedCPUAdam's op, on a CPU node), and says nothing
+    meanwhile. Each build's start and end go to the run's op_builds.jsonl, a line each, where
+    status reads what is being built. An op whose .so is already in the node's JIT cache
+    (TORCH_EXTENSIONS_DIR/<op>/, where provision builds deepspeed_warm_ops) only loads: no line."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __call__(self, module):
+        self.patch(module.OpBuilder)
+
+    def patch(self, builder_class):
+        jit_load, hook = builder_class.jit_load, self
+
+        def recorded_jit_load(builder, *args, **kwargs):
+            op = str(getattr(builder, "name", "?"))
+            if hook.cached(op):
+                return jit_load(builder, *args, **kwargs)
+            start, ok = time.time(), False
+            hook.record(op=op, builder=type(builder).__name__, event="start")
+            try:
+                out = jit_load(builder, *args, **kwargs)
+                ok = True
+                return out
+            finally:
+                hook.record(op=op, builder=type(builder).__name__, event="end", ok=ok,
+                            seconds=round(time.time() - start, 1))
+        builder_class.jit_load = recorded_jit_load
+
+    @staticmethod
+    def cached(op):
+        """Whether the op's .so is in the node's JIT cache, as provision's warm-up checks it;
+        without TORCH_EXTENSIONS_DIR, torch's own default cache."""
+        root = os.environ.get("TORCH_EXTENSIONS_DIR")
+        try:
+            folder = Path(root, op) if root else \
+                Path(importlib.import_module("torch.utils.cpp_extension")._get_build_directory(op, False))
+            return any(name.endswith(".so") for name in os.listdir(folder))
+        except Exception:  # noqa: BLE001 - not found where looked: recorded as a build
+            return False
+
+    def record(self, **line):
+        line.update(rank=os.environ.get("RANK"), pid=os.getpid(), time=round(time.time(), 3))
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:  # a record, never a rank's failure
+            pass
+
+
 def peak_allocated(engine):
     """torch.cuda.max_memory_allocated() of the engine's device, None off CUDA."""
     torch = sys.modules.get("torch")
@@ -237,6 +291,7 @@ def entry(args, local_rank=()):
         watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED)
         patches["deepspeed.runtime.engine"] = watch
         patches["transformers.trainer_callback"] = watch.watch_trainer
+        patches["deepspeed.ops.op_builder.builder"] = OpBuildWatch(RunDir(run_dir) / RunDir.OP_BUILDS)
         (RunDir(run_dir) / RunDir.RANKS_STARTED).touch()
     sys.meta_path.insert(0, AfterImport(patches))
     sys.argv = [target] + list(local_rank) + rest

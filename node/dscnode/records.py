@@ -1,6 +1,7 @@
 """What a run has recorded, read on a node: its state (status; with every node's through pdsh),
 the runs under the run root and their table, the logged steps, the log's tail and first error,
-the predicted and measured memory, preset=auto's steps down, and the run's files (logs.yml)."""
+the predicted and measured memory, preset=auto's steps down, the JIT op builds its ranks wait
+on, and the run's files (logs.yml)."""
 import json
 import os
 import re
@@ -139,7 +140,7 @@ def status(run_dir, run_id):
         if failure:
             error = f"{failure['message']}; first error: {error}" if error else failure["message"]
     try:
-        started = (run / "run_id").stat().st_mtime
+        started = (run / RunDir.RUN_ID).stat().st_mtime
     except OSError:
         started = None
     return {"host": socket.gethostname(), "run_id": run_id, "state": state, "exit_code": code,
@@ -149,7 +150,42 @@ def status(run_dir, run_id):
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
             "first_error": error, "traceback": trace, "memory": memory_summary(run_dir),
             "step_downs": step_downs(run_dir), "config": config_label(run),
+            "op_build": op_build(run_dir, {p["pid"] for p in ps}),
             "stopped_by": stopped_by(run) if state == "stopped" else None}
+
+
+def op_build(run_dir, pids):
+    """The DeepSpeed ops this node's ranks are building now (the entry shim's op_builds.jsonl: a
+    build started by one of the run's live processes, `pids`, and not ended), with when the
+    first started and a line that says so; None when none is. Several ranks of a node wait on
+    one build of an op: it counts once."""
+    started = {}
+    try:
+        lines = read_text(RunDir(run_dir) / RunDir.OP_BUILDS).splitlines()
+    except OSError:
+        return None
+    for text in lines:
+        try:
+            r = json.loads(text)
+            key = (int(r["pid"]), str(r["op"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if r.get("event") == "start":
+            started[key] = (float(r.get("time") or 0), str(r.get("builder") or ""))
+        else:
+            started.pop(key, None)
+    building = {}
+    for (pid, op), (since, builder) in started.items():
+        if pid in pids and (op not in building or since < building[op][0]):
+            building[op] = (since, builder)
+    if not building:
+        return None
+    ops, builders = sorted(building), sorted({b for _, b in building.values() if b})
+    plural, it = ("s", "them") if len(ops) > 1 else ("", "it")
+    warm = f"; deepspeed_warm_ops with {', '.join(builders)} builds {it} at provision" if builders else ""
+    return {"ops": ops, "since": min(s for s, _ in building.values()),
+            "note": f"building DeepSpeed op{plural} {', '.join(ops)} (first use on this node: "
+                    f"compiled once, can take minutes{warm})"}
 
 
 def total_steps(last):
@@ -247,7 +283,7 @@ def runs_table(run_root):
         run = RunDir(Path(run_root) / r["id"])
         st = status(run.path, r["id"])
         try:
-            started = (run / "run_id").stat().st_mtime
+            started = (run / RunDir.RUN_ID).stat().st_mtime
         except OSError:
             started = r["mtime"]
         try:

@@ -34,6 +34,17 @@ class RunDir:
     MEASURED = "memory.jsonl"     # each rank's max_memory_allocated after its first steps (entry)
     AUTO = "auto.json"            # preset=auto's step-down ladder and the step that runs
     STEP_DOWNS = "step_downs.jsonl"  # each out-of-memory step down: the attempt, its cause, the next
+    RUN_ID = "run_id"             # the run's id; its mtime is when the run was written (status's started)
+    DS_CONFIG = "ds_config.json"  # the DeepSpeed config the plan composed (a step down rewrites it)
+    HOSTFILE = "hostfile"         # DeepSpeed's hostfile, nodes in rank order
+    DS_ENV = ".deepspeed_env"     # the ranks' environment, which DeepSpeed's runner reads (DS_ENV_FILE)
+    TRAIN_CONFIG = "train.json"   # train.run's settings (dsc_train_config)
+    MONITOR = "monitor"           # DeepSpeed's csv monitor output (a folder)
+    TENSORBOARD = "tensorboard"   # DeepSpeed's TensorBoard event files, with dsc_tensorboard (a folder)
+    SUMMARY = "summary.json"      # train.run's totals, written when it ends
+    COMPLETE = "COMPLETE"         # in checkpoints/step<N>/: train.run's mark that the checkpoint is whole
+    ALLREDUCE = "allreduce.json"  # train.allreduce's result, which preflight.yml reports
+    OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)
 
     def __init__(self, path):
         self.path = Path(path)

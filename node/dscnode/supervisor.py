@@ -275,7 +275,7 @@ def apply_step(run_dir, index):
     run = RunDir(run_dir)
     ladder = read_json(run / RunDir.AUTO) or {}
     step = (ladder.get("ladder") or [])[int(index)]
-    write_atomic(run / "ds_config.json", json.dumps(step["ds_config"], indent=2, sort_keys=True) + "\n")
+    write_atomic(run / RunDir.DS_CONFIG, json.dumps(step["ds_config"], indent=2, sort_keys=True) + "\n")
     memory = read_json(run / RunDir.MEMORY)
     if memory:
         memory.update(preset=step["preset"], micro_batch=step["micro_batch"], predicted=step["predicted"])

@@ -19,8 +19,9 @@ DOCUMENTATION = """
     short_description: default output, with a followed run's progress instead of retry messages
     description:
       - Ansible's default stdout callback; a retry of the node helper's status (follow=true)
-        prints the step (of its total where known), loss, tokens/s (or samples/s), elapsed time,
-        ETA (where the total is known) and the ranks alive on every node.
+        prints the step (of its total where known), loss, tokens/s (or samples/s), a DeepSpeed op
+        being JIT-built, elapsed time, ETA (where the total is known) and the ranks alive on
+        every node.
     extends_documentation_fragment:
       - default_callback
       - result_format_callback
@@ -35,8 +36,9 @@ def progress_line(stdout, now=None):
     """One line from the helper's status JSON, or None when stdout is not one. The total and the
     ETA only where the helper knows the run's total (its status says which runs do); the ETA at
     the pace of the last logged steps (a resumed run's earlier attempt and any start-up are not
-    in it). Ranks alive: every node's (the status's `nodes`, read through pdsh), else this
-    node's, named."""
+    in it). A DeepSpeed op the ranks are JIT-building (before their first step, the first time a
+    node uses it) is said, with how long so far: the wait is not a hang. Ranks alive: every
+    node's (the status's `nodes`, read through pdsh), else this node's, named."""
     try:
         st = json.loads(stdout or "")
     except ValueError:
@@ -55,6 +57,9 @@ def progress_line(stdout, now=None):
         parts.append(f"{last['tokens_per_s']:,.0f} tokens/s")
     elif last.get("samples_per_s") is not None:
         parts.append(f"{last['samples_per_s']:,.1f} samples/s")
+    build = st.get("op_build") or {}
+    if build.get("note"):
+        parts.append(build["note"] + (f", {_duration(now - build['since'])} so far" if build.get("since") else ""))
     if st.get("started"):
         parts.append(f"elapsed {_duration(now - st['started'])}")
     pace = last.get("step_time_s")

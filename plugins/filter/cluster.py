@@ -58,8 +58,10 @@ def status_row(st):
         f", peak per GPU measured {peak['measured'] / gib:.1f} of predicted {peak['predicted'] / gib:.1f} GiB "
         f"(x{peak['ratio']:.2f}{', OVER' if peak.get('over') else ''})" if peak.get("measured")
         else f", peak per GPU predicted {peak['predicted'] / gib:.1f} GiB")
+    # a DeepSpeed op its ranks are JIT-building (the wait before the first step, said as such)
+    build = f", {st['op_build']['note']}" if (st.get("op_build") or {}).get("note") else ""
     return (f"{st.get('host', '?')}: {st.get('state', '?')}, ranks alive {st.get('ranks_alive', 0)}, "
-            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, {rate}, {tail}{peak_text}")
+            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, {rate}, {tail}{peak_text}{build}")
 
 
 def step_down_lines(st):

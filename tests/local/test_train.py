@@ -14,12 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("DSC_TRAIN_VENV", ROOT / ".cache" / "train-venv"))
 pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
                                 reason=f"no train venv at {VENV} (scripts/test.sh builds it)")
+# train/ takes the run directory's names from dscnode.rundir: a launch's ranks import it from the
+# node helper, whose entry shim runs train.run; these start train.run directly, with node/ on the
+# import path as the control venv's dscluster.pth lists it.
+NODE_PATH = {"PYTHONPATH": str(ROOT / "node")}
 
 
 def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True):
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "ds_config.json").write_text(json.dumps(ds))
-    env = dict(os.environ, DSC_RUN_DIR=str(run_dir), DS_ACCELERATOR="cpu", LOCAL_SIZE=str(ranks),
+    env = dict(os.environ, **NODE_PATH, DSC_RUN_DIR=str(run_dir), DS_ACCELERATOR="cpu", LOCAL_SIZE=str(ranks),
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"), OMP_NUM_THREADS="1")
     cmd = [str(VENV / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
            str(29700 + os.getpid() % 200), "--module", "train.run",
@@ -95,7 +99,7 @@ def test_half_written_checkpoint_is_never_latest(tmp_path):
     (ck / "latest").write_text("step8")  # DeepSpeed's own pointer may already name it
     r = subprocess.run([str(VENV / "bin" / "python"), "-c",
                         f"from train.run import latest_complete; print(latest_complete(__import__('pathlib').Path('{ck}')).name)"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, env=dict(os.environ, **NODE_PATH), capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "step4", r.stderr
 
 
@@ -106,7 +110,7 @@ def test_half_written_checkpoint_is_never_latest(tmp_path):
     (["data=text"], "'data_path' is required"),
 ])
 def test_bad_config_gives_a_clear_error(tmp_path, sets, needle):
-    env = dict(os.environ, DSC_RUN_DIR=str(tmp_path))
+    env = dict(os.environ, **NODE_PATH, DSC_RUN_DIR=str(tmp_path))
     cmd = [str(VENV / "bin" / "python"), "-m", "train.run"] + [a for s in sets for a in ("--set", s)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2

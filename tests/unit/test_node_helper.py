@@ -1004,3 +1004,77 @@ def test_the_log_tail_names_its_file_and_keeps_the_launchers_own_lines_apart(tmp
     assert tail["nodes"] == {"launcher": ["[INFO] cmd = pdsh -w node1,node2",
                                           "pdsh@node1: node2: ssh exited with exit code 255"],
                              "node1": ["step 1"], "node2": ["step 1"]}
+
+
+FAKE_OP_BUILDER = '''import json, os
+
+
+class OpBuilder:
+    """DeepSpeed's OpBuilder as the entry shim sees it: jit_load compiles the op into the node's
+    JIT cache (here: writes its .so), after reading what the run has recorded meanwhile."""
+
+    def __init__(self, name):
+        self.name, self.seen = name, None
+
+    def jit_load(self, verbose=True):
+        records = os.path.join(os.environ["DSC_RUN_DIR"], "op_builds.jsonl")
+        self.seen = [json.loads(x) for x in open(records)] if os.path.exists(records) else []
+        if self.name == "broken":
+            raise RuntimeError("ninja: build stopped")
+        folder = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], self.name)
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, self.name + ".so"), "w").close()
+        return "module " + self.name
+'''
+
+
+def test_each_rank_records_the_jit_op_builds_it_waits_on_and_status_says_so(tmp_path, monkeypatch):
+    """A first use on this node (no .so in TORCH_EXTENSIONS_DIR): the shim, through its import
+    hook on DeepSpeed's builder module, records the build's start before it compiles and its end
+    after, failed or not; an op already in the cache only loads, unrecorded. Status reports an op
+    building while a live process of the run started it, once however many ranks wait on it."""
+    code, run, ext = tmp_path / "code", tmp_path / "run", tmp_path / "ext"
+    (code / "deepspeed" / "ops" / "op_builder").mkdir(parents=True)
+    run.mkdir()
+    for pkg in ("deepspeed", "deepspeed/ops", "deepspeed/ops/op_builder"):
+        (code / pkg / "__init__.py").write_text("")
+    (code / "deepspeed" / "ops" / "op_builder" / "builder.py").write_text(FAKE_OP_BUILDER)
+    (code / "train.py").write_text(
+        "import json\n"
+        "from deepspeed.ops.op_builder.builder import OpBuilder\n"
+        "class CPUAdamBuilder(OpBuilder):\n"
+        "    pass\n"
+        "first = CPUAdamBuilder('cpu_adam')\n"
+        "assert first.jit_load() == 'module cpu_adam'\n"
+        "again = CPUAdamBuilder('cpu_adam')\n"
+        "again.jit_load()\n"
+        "try:\n"
+        "    CPUAdamBuilder('broken').jit_load()\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "print(json.dumps({'first': first.seen, 'again': again.seen}))\n")
+    env = dict(os.environ, DSC_RUN_DIR=str(run), TORCH_EXTENSIONS_DIR=str(ext), RANK="1")
+    r = subprocess.run([sys.executable, str(HELPER), "entry", "--script", str(code / "train.py")],
+                       cwd=code, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    (start,) = seen["first"]  # while cpu_adam compiled: its start, recorded
+    assert (start["op"], start["builder"], start["event"], start["rank"]) == ("cpu_adam", "CPUAdamBuilder", "start", "1")
+    assert records.op_build(run, set()) is None  # its process is gone
+    lines = [json.loads(x) for x in (run / rundir.RunDir.OP_BUILDS).read_text().splitlines()]
+    assert len(seen["again"]) == 2  # loaded from the cache: nothing recorded
+    assert [(x["op"], x["event"], x.get("ok")) for x in lines] == [
+        ("cpu_adam", "start", None), ("cpu_adam", "end", True), ("broken", "start", None), ("broken", "end", False)]
+    # Two ranks of a live run wait on one build: one op, since the first started; a dead
+    # process's start without an end counts for nothing.
+    (run / rundir.RunDir.OP_BUILDS).write_text("".join(json.dumps(x) + "\n" for x in [
+        dict(start, pid=101, time=1000.0), dict(start, pid=102, time=1002.0), dict(start, pid=103, op="fused_adam"),
+        {"op": "cpu_adam", "event": "end", "pid": 102}]))
+    build = records.op_build(run, {101, 102, 104})
+    assert build == {"ops": ["cpu_adam"], "since": 1000.0, "note": (
+        "building DeepSpeed op cpu_adam (first use on this node: compiled once, can take minutes; "
+        "deepspeed_warm_ops with CPUAdamBuilder builds it at provision)")}
+    monkeypatch.setattr(records, "procs", lambda run_id: [{"pid": 101, "cmd": "python -u dsc_node.pyz entry", "ppid": 1}])
+    assert records.status(run, "r1")["op_build"] == build
+    (run / rundir.RunDir.OP_BUILDS).unlink()
+    assert records.status(run, "r1")["op_build"] is None

@@ -389,6 +389,9 @@ def test_launch_plan_holds_the_ds_config_files_and_command():
     assert cmd[-6:] == ["--module", "train.run", "--deepspeed_config", f"{run['dir']}/ds_config.json",
                         "--config", f"{run['dir']}/train.json"]
     assert run["code_dest"] == f"{run['dir']}/code/train"
+    # the run files the roles name, by the plan's paths (RunDir's names)
+    assert (run["ds_env_file"], run["log"], run["allreduce_result"]) == (
+        f"{run['dir']}/.deepspeed_env", f"{run['dir']}/launcher.log", f"{run['dir']}/allreduce.json")
 
 
 def test_code_archive_holds_the_code_without_caches(tmp_path):

@@ -187,3 +187,18 @@ def test_root_paths_row_fails_on_a_planted_link_naming_the_path_and_the_fix():
     shared = clean + [{"var": "dsc_data_dir", "path": "/data/shared", "role": "user",
                        "chain": chain(("/", "dir", "root"), ("/data", "dir", "root"), ("/data/shared", "dir", "root"))}]
     assert preflight.root_paths_verdict("node1", shared, "dstrain")[0] == "PASS"
+
+
+def test_follow_and_status_say_a_jit_op_build_is_the_wait_before_the_first_step():
+    """While the ranks compile a DeepSpeed op (its first use on the node), follow's line and
+    status.yml's row say so, with how long so far, instead of a run that seems to hang."""
+    filters = cluster_filters()
+    note = ("building DeepSpeed op cpu_adam (first use on this node: compiled once, can take minutes; "
+            "deepspeed_warm_ops with CPUAdamBuilder builds it at provision)")
+    status = {"run_id": "r1", "host": "node1", "state": "running", "started": 1000.0, "total_steps": None,
+              "ranks_alive": 2, "restarts": 0, "last": None,
+              "op_build": {"ops": ["cpu_adam"], "since": 1030.0, "note": note}}
+    assert progress_callback().progress_line(json.dumps(status), now=1100.0) == (
+        f"run r1: running, {note}, 0:01:10 so far, elapsed 0:01:40, ranks alive 2 on node1")
+    assert filters.status_row(status).endswith(f"memory - GiB, {note}")
+    assert "building" not in filters.status_row(dict(status, op_build=None))

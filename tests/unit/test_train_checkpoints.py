@@ -1,20 +1,26 @@
 """Unit tests for train/checkpoints.py: which checkpoints are pruned, the space the next one needs,
-the free-space error, and fsync of a written checkpoint.
+the free-space error, and fsync of a written checkpoint; and train/'s run files named by RunDir.
 
-Pure Python (no torch): train/__init__.py is empty and train/checkpoints.py imports only the stdlib.
+Pure Python (no torch): train/__init__.py is empty and train/checkpoints.py imports only the stdlib
+and the run directory's names (dscnode.rundir).
 """
+import ast
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from dscnode import records
+from dscnode.rundir import RunDir
 from train import checkpoints
 from train.checkpoints import (BYTES_PER_PARAM, COMPLETE, MARGIN, fsync_tree, latest_complete,
                                mark_complete, needed_bytes, prune, scan, space_problem, to_prune,
                                tree_size)
 
 GIB = 2**30
+TRAIN = Path(__file__).resolve().parents[2] / "train"
 
 
 def make(ckpt, step, complete=True, size=10):
@@ -219,3 +225,40 @@ def test_a_directory_fsync_the_filesystem_refuses_is_tolerated(tmp_path, monkeyp
 
 def test_no_torch_imported():
     assert "torch" not in sys.modules and "deepspeed" not in sys.modules
+
+
+# --- the run's files, by RunDir's names ---------------------------------------------------------
+
+FILE_NAME = re.compile(r"[\w.-]+\.(json|jsonl|log|csv|txt|pid)")
+
+
+def literals(path):
+    """(line, text) of each string literal in a module, docstrings left out."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_train_names_every_run_file_through_rundir():
+    """train/ writes into the run directory only by RunDir's names (the node helper reads them
+    there): a literal file name, or one of RunDir's names spelled out, fails here."""
+    names = {v: k for k, v in vars(RunDir).items() if k.isupper() and isinstance(v, str)}
+    found = []
+    for path in sorted(TRAIN.glob("*.py")):
+        for line, text in literals(path):
+            name = text.rsplit("/", 1)[-1]
+            if name in names:
+                found.append(f"train/{path.name}:{line}: {text!r}: use RunDir.{names[name]}")
+            elif FILE_NAME.fullmatch(name):
+                found.append(f"train/{path.name}:{line}: {text!r}: add it to RunDir and use that")
+    assert found == [], "\n".join(found)
+
+
+def test_the_scan_catches_a_literal_run_file_name(tmp_path):
+    (tmp_path / "m.py").write_text('"""metrics.jsonl in a docstring is fine."""\n'
+                                   'A = "losses.jsonl"\nB = run_dir / "summary.json"\nC = f"{d}/checkpoints"\n')
+    texts = [text for _, text in literals(tmp_path / "m.py")]
+    assert texts == ["losses.jsonl", "summary.json", "/checkpoints"]

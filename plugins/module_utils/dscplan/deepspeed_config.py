@@ -6,6 +6,8 @@ import copy
 import json
 from pathlib import Path
 
+from dscnode.rundir import RunDir
+
 from .problems import _is_int
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -165,8 +167,8 @@ def _run_sections(config, run_dir, tensorboard):
     says otherwise (run directories are per node: each node's local rank 0 saves the shared
     state; a shared filesystem sets it false in its own config)."""
     if not any(k in config for k in MONITORS):
-        config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/monitor/", "job_name": "ds"}
+        config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/{RunDir.MONITOR}/", "job_name": "ds"}
     if tensorboard:
-        config["tensorboard"] = {"enabled": True, "output_path": f"{run_dir}/tensorboard/", "job_name": "ds"}
+        config["tensorboard"] = {"enabled": True, "output_path": f"{run_dir}/{RunDir.TENSORBOARD}/", "job_name": "ds"}
     if "use_node_local_storage" not in config.get("checkpoint", {}):
         config["checkpoint"] = dict(config.get("checkpoint", {}), use_node_local_storage=True)

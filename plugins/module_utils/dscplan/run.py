@@ -255,7 +255,7 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
     Each rank runs the node helper's entry shim (secrets, progress), which runs the user's
     script or module in the same process."""
     launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
-                "--hostfile", f"{run_dir}/hostfile", "--master_addr", plan["master_addr"]]
+                "--hostfile", f"{run_dir}/{RunDir.HOSTFILE}", "--master_addr", plan["master_addr"]]
     if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
         launcher += ["--ssh_port", str(plan["ssh_ports"][0])]
     if plan["num_nodes"] == 1:
@@ -267,8 +267,8 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
     train_run = entry["module"] == "train.run" and not entry["script"]
     program = [plan["helper"], "entry"] \
         + (["--script", entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
-        + ([config_arg, f"{run_dir}/ds_config.json"] if config_arg.startswith("--") else []) \
-        + (["--config", f"{run_dir}/train.json"] if train_run else []) \
+        + ([config_arg, f"{run_dir}/{RunDir.DS_CONFIG}"] if config_arg.startswith("--") else []) \
+        + (["--config", f"{run_dir}/{RunDir.TRAIN_CONFIG}"] if train_run else []) \
         + entry["args"] + (entry["resume_args"] if resume else [])
     if s["dsc_launch_mode"] == "no_ssh":
         return {n["name"]: launcher + ["--no_ssh", "--node_rank", str(n["rank"])] + program
@@ -307,7 +307,7 @@ def _run_env(plan, run_id, run_dir, secrets, config_arg):
         # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
         dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
         env.update(ACCELERATE_USE_DEEPSPEED="true",
-                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/ds_config.json",
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/{RunDir.DS_CONFIG}",
                    ACCELERATE_MIXED_PRECISION="bf16" if dtype["bf16"]["enabled"]
                    else "fp16" if dtype["fp16"]["enabled"] else "no")
     return env
@@ -316,20 +316,28 @@ def _run_env(plan, run_id, run_dir, secrets, config_arg):
 def _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text):
     """The files written into the run directory on every node (name -> text)."""
     return {
-        **({"ds_config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"} if config else {}),
-        "hostfile": hostfile,
-        "train.json": json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
+        **({RunDir.DS_CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"} if config else {}),
+        RunDir.HOSTFILE: hostfile,
+        RunDir.TRAIN_CONFIG: json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
         # the predicted peak per GPU, beside which each rank records its measured one
         **({RunDir.MEMORY: json.dumps(memory, indent=2, sort_keys=True) + "\n"} if memory else {}),
         # preset=auto's step-down ladder (the node helper's supervisor reads it)
         **({RunDir.AUTO: json.dumps(step_down, sort_keys=True) + "\n"} if step_down else {}),
-        "run_id": run_id + "\n",
+        RunDir.RUN_ID: run_id + "\n",
         # with the names (never the values) of its secrets: resume checks they are there
         RunDir.LAUNCH: json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
                                        secret_names=plan["secret_names"]),
                                   indent=2, sort_keys=True) + "\n",
-        ".deepspeed_env": env_text,
+        RunDir.DS_ENV: env_text,
     }
+
+
+def _run_paths(run_dir):
+    """The run files the roles name, by their paths: the ranks' environment file (DeepSpeed's
+    runner reads DS_ENV_FILE), the launcher's log (the launch message) and train.allreduce's
+    result (preflight.yml reads it on the master)."""
+    return {"ds_env_file": f"{run_dir}/{RunDir.DS_ENV}", "log": f"{run_dir}/{RunDir.LOG}",
+            "allreduce_result": f"{run_dir}/{RunDir.ALLREDUCE}"}
 
 
 def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
@@ -408,6 +416,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "secrets_file": secrets_path(plan["run_root"], run_id),
         "commands": _commands(plan, s, run_dir, entry, config_arg, resume), "code_archive": archive,
         "files": _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text),
+        **_run_paths(run_dir),
     }
 
 
