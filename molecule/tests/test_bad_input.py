@@ -1,5 +1,5 @@
 """Bad input stops every playbook in its first play (the plan), before any node is changed.
-Each check's message is unit-tested (tests/unit/test_plan.py); here the playbooks prove that
+Each check's message is unit-tested (tests/unit/test_plan_*.py); here the playbooks prove that
 nothing on the nodes changed and that the changing play never started."""
 import json
 

@@ -11,7 +11,7 @@ FOLDERS = ("plugins", "node", "tests", "molecule", "bench", "train", "scripts")
 KEPT = {
     # A user's package in a temporary directory, imported to test the entry shim's import patches:
     # the user's code, not the project's.
-    "tests/unit/test_node_helper.py": "sys.path.insert",
+    "tests/unit/test_node_entry.py": "sys.path.insert",
 }
 WORDS = ("sys.path.insert", "spec_from_file_location")
 

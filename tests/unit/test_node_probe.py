@@ -1,0 +1,140 @@
+"""What a node reports and checks (node/dscnode probe, checks) on this machine: interfaces and runs,
+the running firewall, who owns an existing interpreter (and the plan's judgement of it), every
+path root writes with its chain and links never followed, free ports, and preflight's TCP
+listener.
+
+    .venv/bin/pytest tests/unit/test_node_probe.py -q
+"""
+import json
+import os
+import pwd
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+import dscplan
+from dscnode import checks, probe
+from tests.unit.node_helpers import helper
+
+
+def test_probe_reports_interfaces_and_runs(tmp_path):
+    (tmp_path / "r1").mkdir()
+    out = json.loads(helper("probe", "--run-root", tmp_path).stdout)
+    assert "lo" in out["interfaces"] and isinstance(out["gpus"], list) and out["cpus"] >= 1
+    assert [r["id"] for r in out["runs"]] == ["r1"]
+
+
+@pytest.mark.parametrize("release,ufw_conf,comms,want", [
+    ('ID=debian\n', "ENABLED=yes\n", ["sshd", "bash"], {"os": ["debian"], "ufw": True, "firewalld": False}),
+    ('ID="rocky"\nID_LIKE="rhel centos fedora"\n', "", ["systemd", "firewalld"],
+     {"os": ["rocky", "rhel", "centos", "fedora"], "ufw": False, "firewalld": True}),
+    ('ID=ubuntu\nID_LIKE=debian\n', "# ENABLED=yes\nENABLED=no\n", ["firewalld-helper"],
+     {"os": ["ubuntu", "debian"], "ufw": False, "firewalld": False}),
+    (None, None, [], {"os": [], "ufw": False, "firewalld": False}),
+])
+def test_the_probe_reads_the_running_firewall_from_files(tmp_path, release, ufw_conf, comms, want):
+    """The probe's firewall view (the plan refuses the other firewall from it): /etc/os-release,
+    ufw's ENABLED in /etc/ufw/ufw.conf, and a process named firewalld in /proc."""
+    if release is not None:
+        (tmp_path / "etc" / "ufw").mkdir(parents=True)
+        (tmp_path / "etc" / "os-release").write_text(release)
+        (tmp_path / "etc" / "ufw" / "ufw.conf").write_text(ufw_conf)
+    for pid, comm in enumerate(comms, start=1):
+        (tmp_path / "proc" / str(pid)).mkdir(parents=True)
+        (tmp_path / "proc" / str(pid) / "comm").write_text(comm + "\n")
+    assert probe.firewalls(tmp_path) == want
+
+
+def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_it(tmp_path):
+    """probe --existing-python: owner and mode of the interpreter, every directory above it as
+    written and as resolved (a venv's bin/python links to its base), and its lib directories,
+    read with lstat; the plan runs it as root only when all are root's and none is writable by
+    group or others, else as its one owner, else refuses."""
+    env = tmp_path / "opt" / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    for d in (tmp_path, tmp_path / "opt", env, env / "bin", env / "lib"):
+        d.chmod(0o755)
+    py = str(env / "bin" / "python")
+    out = json.loads(helper("probe", "--existing-python", py).stdout)["existing_python"]
+    paths = [e["path"] for e in out["entries"]]
+    assert paths[:1] == ["/"] and py in paths and os.path.realpath(sys.executable) in paths
+    assert str(env / "lib" / "python3.11" / "site-packages") in paths
+    assert next(e for e in out["entries"] if e["path"] == py)["kind"] == "link"
+    me = __import__("pwd").getpwuid(os.geteuid()).pw_name
+    owner, problem = dscplan.existing_owner("node1", py, out)
+    assert problem is None and owner == ("root" if os.geteuid() == 0 else me)
+    (env / "lib" / "python3.11" / "site-packages").chmod(0o775)
+    owner, problem = dscplan.existing_owner("node1", py, probe.path_owners(py))
+    assert owner is None and f"{env}/lib/python3.11/site-packages is writable by group (mode 775" in problem
+    (env / "lib" / "python3.11" / "site-packages").chmod(0o755)
+    if os.geteuid() == 0:  # a user's env: run as that user only
+        nobody = pwd.getpwnam("nobody")
+        for d in (env, env / "bin"):
+            os.chown(d, nobody.pw_uid, nobody.pw_gid)
+        assert dscplan.existing_owner("node1", py, probe.path_owners(py)) == ("nobody", None)
+    assert "error" in probe.path_owners(str(tmp_path / "none" / "bin" / "python"))
+
+
+def test_probe_reports_each_root_path_and_its_chain_with_links_never_followed(tmp_path):
+    """The probe's root_paths: every path root creates or writes into, each directory above it
+    read with lstat; a planted link is reported with its target and the chain stops there."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    root = tmp_path / "inst"
+    root.mkdir()
+    (root / "cache").symlink_to(victim)
+    out = json.loads(helper("probe", "--run-root", root / "runs", "--install-root", root,
+                            "--data-dir", tmp_path / "data", "--train-user", "nobody-here").stdout)
+    by_path = {e["path"]: e for e in out["root_paths"]}
+    cache = by_path[f"{root}/cache"]
+    assert cache["var"] == "dsc_install_root" and cache["role"] == "user"
+    assert [c["path"] for c in cache["chain"]][-2:] == [str(root), f"{root}/cache"]
+    assert cache["chain"][-1]["kind"] == "link" and cache["chain"][-1]["target"] == str(victim)
+    ext = by_path[f"{root}/cache/torch_extensions"]["chain"]
+    assert ext[-1]["path"] == f"{root}/cache" and ext[-1]["kind"] == "link"  # never followed below
+    assert by_path[str(root)]["role"] == "made" and by_path[str(root)]["chain"][-1]["kind"] == "dir"
+    assert by_path[f"{root}/runs"]["chain"][-1]["kind"] == "missing"
+    assert by_path[str(tmp_path / "data")]["var"] == "dsc_data_dir"
+    assert by_path["/usr/local/lib/dscluster"]["role"] == "root"
+    assert not any(e["var"] == "dsc_train_user" for e in out["root_paths"])  # no such user: no home
+
+
+def test_root_paths_name_the_ssh_files_of_the_training_users_home():
+    paths = {e["path"]: e["var"] for e in probe.root_paths("/opt/d/", "/opt/d/runs", "", "/home/u")}
+    assert paths["/opt/d"] == "dsc_install_root" and paths["/opt/d/runs"] == "dsc_run_root"
+    assert {p for p, v in paths.items() if v == "dsc_train_user"} == {
+        "/home/u/.ssh", "/home/u/.ssh/authorized_keys", "/home/u/.ssh/id_ed25519",
+        "/home/u/.ssh/known_hosts", "/home/u/.ssh/config"}
+
+
+def test_free_port_skips_a_port_in_use():
+    s = socket.socket()
+    s.bind(("0.0.0.0", 0))
+    s.listen(1)
+    busy = s.getsockname()[1]
+    try:
+        assert checks.free_port(busy, busy) is None
+        assert checks.free_port(busy, busy + 1) in (busy + 1, None)
+    finally:
+        s.close()
+
+
+def test_the_preflight_listener_counts_connections_and_goes_at_a_release():
+    """preflight's TCP check on loopback: a node's connection is seen; a release (sent once every
+    node's attempt has ended) ends the listener at once, not at its timeout, and is not a node."""
+    port = checks.free_port(29600, 29700)
+    out = {}
+    listener = threading.Thread(target=lambda: out.update(checks.listen({"port": port, "expect": 2, "seconds": 30})))
+    t0 = time.time()
+    listener.start()
+    time.sleep(0.3)
+    assert checks.connect({"host": "127.0.0.1", "port": port, "timeout": 3})["ok"]
+    assert checks.connect({"host": "127.0.0.1", "port": port, "timeout": 3, "release": True})["ok"]
+    listener.join(10)
+    assert not listener.is_alive() and time.time() - t0 < 5
+    assert out == {"port": port, "seen": ["127.0.0.1"]}

@@ -1,0 +1,94 @@
+"""What the plan has the nodes install (dscplan.packages): requirements split from the torch family
+and checked against a wheelhouse, the wheelhouse's lock and a node lock (wheels and source
+archives), and the pip sources (a plain-HTTP index only with a lock).
+
+    .venv/bin/pytest tests/unit/test_plan_packages.py -q
+"""
+import pytest
+
+from tests.unit.plan_helpers import plan
+
+
+def wheelhouse(tmp_path, *files):
+    d = tmp_path / "wheels"
+    d.mkdir()
+    for f in files:
+        (d / f).write_text("")
+    return str(d)
+
+
+def test_requirements_split_torch_family_and_are_checked_against_the_wheelhouse(tmp_path):
+    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl", "torchvision-0.28.0-cp311-cp311-linux_x86_64.whl",
+                    "Datasets-5.0.1-py3-none-any.whl")
+    req = tmp_path / "requirements.txt"
+    req.write_text("# the script's packages\ndatasets==5.0.1  # comment\n\n")
+    p, errors = plan(dsc_requirements=["transformers==4.57.6", "torchvision==0.28.0"],
+                     dsc_requirements_file=str(req), dsc_wheelhouse=wh)
+    assert errors == []
+    assert p["torch_requirements"] == ["torchvision==0.28.0"]
+    assert p["requirements"] == ["transformers==4.57.6", "datasets==5.0.1"]
+    p, errors = plan(dsc_requirements=["transformers==9.9", "accelerate"], dsc_wheelhouse=wh)
+    assert any("'transformers==9.9' is not in dsc_wheelhouse" in e and "it has 4.57.6" in e
+               and "scripts/wheelhouse.sh" in e for e in errors), errors
+    assert any("'accelerate' is not in dsc_wheelhouse" in e and "none there" in e for e in errors), errors
+
+
+def test_a_wheelhouse_lock_must_pin_the_plans_torch_deepspeed_and_requirements(tmp_path):
+    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl")
+    h = "0" * 64
+    lock = tmp_path / "wheels" / "requirements.lock"
+    lock.write_text(f"# written by scripts/wheelhouse.sh\ntorch==2.13.0+cpu --hash=sha256:{h}\n"
+                    f"deepspeed==0.19.8 --hash=sha256:{h}\ntransformers==4.57.6 --hash=sha256:{h}\n")
+    p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
+                     dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
+    assert errors == [] and p["locked"] is True and p["lock"]["from"] == "wheelhouse"
+    assert len(p["lock"]["wheels"]) == 3 and p["lock"]["sdists"] == []
+    assert p["pip_lock_args"] == p["pip_source_args"] == "--no-index --find-links /opt/dscluster/wheelhouse"
+    p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
+                     dsc_torch_version="2.12.0", dsc_deepspeed_version="0.19.8")
+    assert any("dsc_wheelhouse on host node1: its lock has torch 2.13.0+cpu, the plan wants torch==2.12.0"
+               in e for e in errors), errors
+    lock.write_text("torch==2.13.0\n")
+    assert any("not a hashed pin" in e for e in plan(dsc_wheelhouse=wh)[1])
+    lock.unlink()
+    assert plan(dsc_wheelhouse=wh)[0]["locked"] is False
+
+
+def test_a_node_lock_from_an_index_splits_wheels_from_source_packages(tmp_path):
+    h = "0" * 64
+    lock = tmp_path / "nodes.lock"
+    lines = [f"torch==2.13.0+cpu --hash=sha256:{h}", f"setuptools==80.9.0 --hash=sha256:{h}",
+             f"deepspeed==0.19.8 --hash=sha256:{h}  # sdist"]
+    lock.write_text("# written by scripts/nodelock.sh\n" + "\n".join(lines) + "\n")
+    pins = dict(dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
+    p, errors = plan(dsc_node_lock=str(lock), dsc_pip_index_url="http://10.0.0.5:8080/simple", **pins)
+    assert errors == [] and p["lock"] == {"from": "index", "wheels": lines[:2], "sdists": lines[2:]}
+    index = "--index-url http://10.0.0.5:8080/simple --trusted-host 10.0.0.5:8080"
+    assert p["pip_source_args"] == index
+    assert p["pip_lock_args"] == f"{index} --extra-index-url https://download.pytorch.org/whl/cpu"
+    # plain HTTP only when every file is checked against the lock
+    assert any("plain HTTP, and no dsc_node_lock" in e for e in plan(dsc_pip_index_url="http://10.0.0.5/simple")[1])
+    p, errors = plan(dsc_pip_index_url="https://mirror.example/simple")
+    assert errors == [] and p["pip_source_args"] == "--index-url https://mirror.example/simple"
+    assert p["pip_torch_args"] == "--index-url https://download.pytorch.org/whl/cpu"  # torch from its own
+    # source packages need the lock's own setuptools (no isolated, unchecked build environment)
+    lock.write_text("\n".join([lines[0], lines[2]]) + "\n")
+    assert any("dsc_node_lock on host node1" in e and "no setuptools" in e and "scripts/nodelock.sh" in e
+               for e in plan(dsc_node_lock=str(lock), **pins)[1])
+    lock.write_text("\n".join(lines[:2]) + "\n")
+    assert any("dsc_node_lock on host node1: its lock has deepspeed not at all" in e
+               for e in plan(dsc_node_lock=str(lock), **pins)[1])
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("dsc_node_lock", "/nonexistent/nodes.lock", "which is not a file on the control node"),
+    ("dsc_pip_index_url", "ftp://mirror/simple", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/simple --trusted-host evil", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/simple;id", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/$(touch /tmp/pwned)", "Fix: an http(s) URL"),
+    ("dsc_pip_index_url", "https://mirror/simple\n--trusted-host evil", "Fix: an http(s) URL"),
+    ("dsc_node_lock", "/tmp/../nonexistent/nodes.lock", "which is not a file on the control node"),
+])
+def test_bad_node_lock_and_index_are_refused(var, value, message):
+    errors = plan(**{var: value})[1]
+    assert any(f"{var} on host node1" in e and message in e for e in errors), errors

@@ -1,0 +1,194 @@
+"""The paths root makes, writes and runs, as the plan checks them (dscplan.settings, packages):
+system directories refused as roots and directories of their own accepted, who runs an existing
+interpreter (root, its one owner, or refused), the data dir, and the probe's root_paths (a link,
+a foreign owner, another user's directory above the install root).
+
+    .venv/bin/pytest tests/unit/test_plan_paths.py -q
+"""
+import pytest
+
+import dscplan
+from tests.unit.plan_helpers import DEFAULTS, PATHS, cluster, plan
+
+
+@pytest.mark.parametrize("settings,options,needle", [
+    ({"dsc_install_root": "/"}, None, "dsc_install_root on host node1 is '/', the root directory"),
+    ({"dsc_install_root": "/etc"}, None, "dsc_install_root on host node1 is '/etc', in the system tree /etc"),
+    ({"dsc_install_root": "/usr/local/dscluster"}, None, "is '/usr/local/dscluster', in the system tree /usr"),
+    ({"dsc_install_root": "/var"}, None, "is '/var', the system directory /var itself"),
+    ({"dsc_install_root": "/home/"}, None, "is '/home/', the system directory /home itself"),
+    ({"dsc_install_root": "//etc"}, None, "is '//etc', in the system tree /etc"),
+    ({"dsc_install_root": "/lib64/x"}, None, "in the system tree /lib64"),
+    ({"dsc_run_root": "/"}, None, "dsc_run_root on host node1 is '/', the root directory"),
+    ({"dsc_run_root": "/etc"}, None, "dsc_run_root on host node1 is '/etc', in the system tree /etc"),
+    ({"dsc_run_root": "/tmp"}, None, "dsc_run_root on host node1 is '/tmp', the system directory /tmp itself"),
+    ({"dsc_run_root": "/var/run/ds"}, None, "in the system tree /var/run"),
+    ({"dsc_run_root": "/root/runs"}, None, "in the system tree /root"),
+    ({"dsc_run_root": "/proc/1/cwd"}, None, "in the system tree /proc"),
+    ({"dsc_data_dir": "/etc", "dsc_data_shared": True}, None, "dsc_data_dir on host node1 is '/etc', in the system tree /etc"),
+    ({"dsc_data_dir": "/"}, None, "dsc_data_dir on host node1 is '/', the root directory, and launch makes it the training user's and syncs"),
+    ({"dsc_data_dir": "/boot"}, None, "dsc_data_dir on host node1 is '/boot'"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/bin/python3"}, None,
+     "dsc_existing_python on host node1 is '/bin/python3', whose env '/' is the root directory"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/tmp/bin/python"}, None,
+     "whose env '/tmp' is the system directory /tmp itself"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/root/.venv/bin/python"}, None,
+     "whose env '/root/.venv' is in the system tree /root"),
+    ({"dsc_env_manager": "existing", "dsc_existing_python": "/opt/torch/python"}, None,
+     "not in an env's bin directory"),
+    ({}, {"dsc_code_dir": "/usr", "dsc_code_shared": True}, "dsc_code_dir (dsc_code_shared) is '/usr', in the system tree /usr"),
+    ({}, {"dsc_code_dir": "/", "dsc_code_shared": True}, "dsc_code_dir (dsc_code_shared) is '/', the root directory"),
+])
+def test_system_directories_are_refused_as_roots(settings, options, needle):
+    """A root the toolkit gives to the training user (and the dataset's, synced with delete)
+    is never /, a system tree or a shared root itself, before any node changes."""
+    p, errors = plan(options=options, full_run=options is not None, **settings)
+    assert p is None and any(needle in e and "Fix: a directory of the toolkit's own" in e
+                             or needle in e and "Fix: the interpreter of an env of its own" in e
+                             for e in errors), errors
+
+
+@pytest.mark.parametrize("settings", [
+    {"dsc_install_root": "/opt/dscluster", "dsc_run_root": "/var/lib/dscluster/runs"},
+    {"dsc_run_root": "/home/alice/runs"}, {"dsc_run_root": "/tmp/dsc-runs"}, {"dsc_install_root": "/srv/ds/"},
+    {"dsc_data_dir": "/mnt/datasets/c4", "dsc_data_shared": True}, {"dsc_run_root": "/library/runs"},
+    {"dsc_env_manager": "existing", "dsc_existing_python": "/usr/bin/python3"},
+    {"dsc_env_manager": "existing", "dsc_existing_python": "/usr/local/bin/python3"},
+    {"dsc_env_manager": "existing", "dsc_existing_python": "/opt/conda/envs/ds/bin/python"},
+])
+def test_directories_of_their_own_under_shared_roots_are_accepted(settings):
+    hostvars, groups, probes = cluster(2, **settings)
+    for pr in probes.values():
+        pr["existing_python"] = owned(settings.get("dsc_existing_python", ""))
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert errors == [], errors
+
+
+def owned(py, owners=(), mode="0o755"):
+    """What the probe reports of an interpreter (dscnode.probe.path_owners): each directory above it
+    root's, then the ones named in `owners` ({path: (uid, user)}), every mode `mode`."""
+    parts = py.split("/")[1:]
+    chain = ["/"] + ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
+    owners = dict(owners)
+    return {"path": py, "entries": [
+        {"path": p, "uid": owners.get(p, (0, "root"))[0], "user": owners.get(p, (0, "root"))[1],
+         "mode": mode if p != py else "0o755", "kind": "file" if p == py else "dir"} for p in chain]}
+
+
+def existing_plan(reports):
+    py = "/opt/torch/.venv/bin/python"
+    hostvars, groups, probes = cluster(2, dsc_env_manager="existing", dsc_existing_python=py)
+    for node, report in zip(probes, reports, strict=True):
+        if report is not None:
+            probes[node]["existing_python"] = report
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+
+
+def test_an_existing_interpreter_runs_as_root_only_when_it_is_roots_alone():
+    py = "/opt/torch/.venv/bin/python"
+    p, errors = existing_plan([owned(py), owned(py)])
+    assert errors == [] and p["env_owner"] == "root"
+    users = {"/opt/torch": (1001, "dstrain"), "/opt/torch/.venv": (1001, "dstrain")}
+    p, errors = existing_plan([owned(py, users), owned(py, users)])
+    assert errors == [] and p["env_owner"] == "dstrain"  # run only as its owner, never as root
+
+
+@pytest.mark.parametrize("reports,needle", [
+    ([owned("/opt/torch/.venv/bin/python", mode="0o775")] * 2,
+     "dsc_existing_python on host node1 is '/opt/torch/.venv/bin/python': / is writable by group (mode 775, owner root)"),
+    ([owned("/opt/torch/.venv/bin/python", {"/opt/torch/.venv/bin": (0, "root")}, mode="0o757")] * 2,
+     "is writable by others (mode 757, owner root)"),
+    ([owned("/opt/torch/.venv/bin/python", {"/opt/torch": (1001, "dstrain"), "/opt/torch/.venv": (1002, "alice")})] * 2,
+     "parts of it belong to alice, dstrain (not only root)"),
+    ([{"path": "/opt/torch/.venv/bin/python", "error": "/opt/torch/.venv/bin/python is not a file"}] * 2,
+     "dsc_existing_python on host node1 is '/opt/torch/.venv/bin/python', which is not there"),
+    ([owned("/opt/torch/.venv/bin/python"), None], "node2 is '/opt/torch/.venv/bin/python', which is not there (the probe did not look at it)"),
+    ([owned("/opt/torch/.venv/bin/python"), owned("/opt/torch/.venv/bin/python", {"/opt/torch": (1001, "dstrain")})],
+     "owned by root on node1; dstrain on node2"),
+])
+def test_an_existing_interpreter_others_could_change_is_refused_saying_why(reports, needle):
+    p, errors = existing_plan(reports)
+    assert p is None and any(needle in e and "Fix:" in e for e in errors), errors
+
+
+def test_data_dir_synced_or_shared(tmp_path):
+    p, errors = plan(dsc_data_dir=str(tmp_path) + "/")
+    assert errors == [] and (p["data_dir"], p["data_shared"]) == (str(tmp_path), False)
+    p, errors = plan(dsc_data_dir="/shared/datasets/c4", dsc_data_shared=True)  # checked by preflight
+    assert errors == [] and p["data_shared"] is True
+
+
+def chain(*entries):
+    """A probe's lstat chain: (path, kind, user[, target]) each."""
+    return [dict({"path": p, "kind": k, "uid": 0 if u == "root" else 1000, "user": u, "mode": "0o755"},
+                 **({"target": t[0]} if t else {})) for p, k, u, *t in entries]
+
+
+def root_paths(*extra):
+    base = [{"var": "dsc_install_root", "path": "/opt/dscluster", "role": "made",
+             "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"))}]
+    return base + list(extra)
+
+
+def plan_with_paths(report, full_run=False, **settings):
+    hostvars, groups, probes = cluster(1, **settings)
+    probes["node1"]["root_paths"] = report
+    return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, now="20261130-000000",
+                              full_run=full_run, check_dir=lambda p: True)
+
+
+def test_clean_root_paths_pass():
+    p, errors = plan_with_paths(root_paths(
+        {"var": "dsc_install_root", "path": "/opt/dscluster/cache", "role": "user",
+         "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"),
+                        ("/opt/dscluster/cache", "dir", "dstrain"))}))
+    assert errors == [] and p["node"]["node1"]["local"] is False
+
+
+@pytest.mark.parametrize("entry,needles", [
+    ({"var": "dsc_install_root", "path": "/opt/dscluster/cache/torch_extensions", "role": "user",
+      "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"),
+                     ("/opt/dscluster/cache", "link", "dstrain", "/etc"))},
+     ["dsc_install_root on host node1: root writes /opt/dscluster/cache/torch_extensions",
+      "/opt/dscluster/cache is a link to /etc owned by dstrain", "Fix: remove the link (rm /opt/dscluster/cache"]),
+    ({"var": "dsc_train_user", "path": "/home/dstrain/.ssh", "role": "user",
+      "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/dstrain", "dir", "dstrain"),
+                     ("/home/dstrain/.ssh", "link", "dstrain", "/root/.ssh"))},
+     ["dsc_train_user on host node1", "/home/dstrain/.ssh is a link to /root/.ssh"]),
+    ({"var": "dsc_run_root", "path": "/srv/runs", "role": "user",
+      "chain": chain(("/", "dir", "root"), ("/srv", "dir", "root"), ("/srv/runs", "dir", "alice"))},
+     ["dsc_run_root on host node1", "/srv/runs is owned by alice, not dstrain or root", "Fix: point dsc_run_root"]),
+    ({"var": "dsc_install_root", "path": "/home/dstrain/dsc", "role": "made",
+      "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/dstrain", "dir", "dstrain"),
+                     ("/home/dstrain/dsc", "missing", ""))},
+     ["the directory above it, /home/dstrain, is owned by dstrain", "Fix: set dsc_install_root under"]),
+    ({"var": "node helper", "path": "/usr/local/lib/dscluster", "role": "root",
+      "chain": chain(("/", "dir", "root"), ("/usr", "dir", "root"), ("/usr/local", "dir", "root"),
+                     ("/usr/local/lib", "dir", "root"), ("/usr/local/lib/dscluster", "dir", "dstrain"))},
+     ["node helper on host node1", "/usr/local/lib/dscluster is owned by dstrain, not root", "chown root:root"]),
+])
+def test_a_link_or_a_foreign_owner_at_a_root_path_is_refused_naming_it(entry, needles):
+    p, errors = plan_with_paths(root_paths(entry))
+    assert p is None and len(errors) == 1, errors
+    for needle in needles:
+        assert needle in errors[0]
+    assert "nothing was changed" in errors[0]
+
+
+def test_a_root_owned_link_in_a_root_directory_is_the_systems_layout():
+    p, errors = plan_with_paths([{"var": "dsc_install_root", "path": "/opt/dscluster", "role": "made",
+                                  "chain": chain(("/", "dir", "root"), ("/opt", "link", "root", "var/opt"))}])
+    assert errors == []
+
+
+def test_the_data_dir_is_checked_at_launch_only_and_never_on_the_control_node_itself():
+    data = {"var": "dsc_data_dir", "path": "/home/alice/data", "role": "user",
+            "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/alice", "dir", "alice"),
+                           ("/home/alice/data", "dir", "alice"))}
+    assert plan_with_paths(root_paths(data), dsc_data_dir="/home/alice/data")[1] == []
+    _, errors = plan_with_paths(root_paths(data), full_run=True, dsc_data_dir="/home/alice/data")
+    assert any("dsc_data_dir on host node1" in e and "owned by alice" in e for e in errors), errors
+    # The one-node default: the node is the control node, its data dir the source, left alone.
+    p, errors = plan_with_paths(root_paths(data), full_run=True, dsc_data_dir="/home/alice/data",
+                                ansible_connection="local")
+    assert not any("dsc_data_dir" in e for e in errors), errors
