@@ -135,6 +135,17 @@ def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_dir
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
+def compilers_running():
+    """Whether a process named as a compiler (procs.BUILDERS) runs on this machine now."""
+    names = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            pass
+    return any(name in procs.BUILDERS for name in names)
+
+
 def test_jit_locks_are_read_as_the_training_user_without_running_an_interpreter(tmp_path):
     """As root the check drops to the training user in a forked child: root's own interpreter
     (here this test's, which 'nobody' may not be able to run) is never executed as that user."""
@@ -145,8 +156,14 @@ def test_jit_locks_are_read_as_the_training_user_without_running_an_interpreter(
         (ext / "cpu_adam" / "lock").write_text("")
         old = time.time() - 600
         os.utime(ext / "cpu_adam" / "lock", (old, old))
-        found = procs.jit_locks_as(str(ext), "nobody")
-        assert [(Path(x["path"]).parent.name, x["stale"]) for x in found] == [("cpu_adam", True)]
+        # Stale, unless a compiler the user cannot see into runs on this machine meanwhile (a
+        # build elsewhere, e.g. beside this suite): then the lock is kept, as it would be there.
+        for _ in range(20):
+            before = compilers_running()
+            found = procs.jit_locks_as(str(ext), "nobody")
+            if before == compilers_running():
+                break
+        assert [(Path(x["path"]).parent.name, x["stale"]) for x in found] == [("cpu_adam", not before)]
         ext.chmod(0o700)  # what the user cannot read is reported, not taken for "no locks"
         assert procs.jit_locks_as(str(ext), "nobody") == [
             {"path": str(ext), "error": f"{ext}: Permission denied"}]
