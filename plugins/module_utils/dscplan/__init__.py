@@ -194,13 +194,14 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
 
 def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
               check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False,
-              variables=None, extra_vars=()):
+              variables=None, extra_vars=(), probe_errors=None):
     """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
     are the run options; `full_run` (launch, resume) derives the whole run, else only which run
     status, stop and logs act on; `firewall` (provision) refuses a node whose firewall the
     toolkit would not manage alone. `variables` ({node: the names of its variables}; default
     hostvars' own) and `extra_vars` (the names given with -e) find undeclared settings, and the
-    -e options a resume cannot apply."""
+    -e options a resume cannot apply. `probe_errors` ({node: why its probe gave no report}) goes
+    into each unreachable node's record (preflight's row says it)."""
     problems = Problems()
     names = node_order(groups)
     if not names:
@@ -216,7 +217,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     lock = _lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
     data = _data(s, f"on host {names[0]}", problems, check_dir)
     secrets = secret_names(hostvars, names, problems)
-    nodes = _nodes(names, hostvars, defaults, probes, problems)
+    nodes = _nodes(names, hostvars, defaults, probes, problems, probe_errors or {})
     _firewall_backends(nodes, probes, s, firewall, problems)
     _check_nodes(nodes, s, hostvars, probes, full_run, problems)
     env_owner = _existing_env_owner(s, nodes, probes, problems)
