@@ -53,7 +53,7 @@ class ActionModule(ActionBase):
             path, sha256 = dscplan.node_helper(REPO)
             return dict(result, changed=False, path=path, sha256=sha256)
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]
-        probe_var = args.get("probe_var", "__plan_probe")
+        probe_var = args["probe_var"]  # the plan role's register of each node's probe
         names = dscplan.node_order(groups)
         limited = [h for h in names if h not in task_vars.get("ansible_play_hosts_all", names)]
         if limited:
@@ -67,7 +67,7 @@ class ActionModule(ActionBase):
             msg = (f"host(s) {', '.join(dropped)} failed before the plan (see above). Fix that "
                    f"first: every check of the cluster needs every node.")
             return failed(result, [msg])
-        inventory, variables, probes, unreachable = {}, {}, {}, []
+        inventory, variables, probes, unreachable, unprobed = {}, {}, {}, [], {}
         for name in names:
             hv = hostvars[name]
             wanted = (dscplan.CLUSTER_SETTINGS + dscplan.NODE_SETTINGS + dscplan.SECRET_SETTINGS
@@ -78,6 +78,7 @@ class ActionModule(ActionBase):
             probe = hv.get(probe_var) or {}
             if probe.get("unreachable") or probe.get("failed") or "stdout" not in probe:
                 why = " ".join(str(probe.get("msg") or probe.get("stderr") or "no answer").split())
+                unprobed[name] = why[:300]
                 unreachable.append(f"host {name} could not be probed: {why[:300]}. Fix: check that "
                                    f"Ansible reaches it (ansible -m ping {name}); every check of "
                                    f"the cluster needs every node.")
@@ -86,6 +87,7 @@ class ActionModule(ActionBase):
                 probes[name] = json.loads(probe["stdout"])
             except ValueError:
                 why = " ".join(str(probe.get("stderr") or probe.get("stdout") or "nothing").split())
+                unprobed[name] = f"the node probe printed no report ({why[-300:]})"
                 unreachable.append(f"host {name}: the node probe printed no report ({why[-300:]}). "
                                    f"Fix: copy .cache/dsc_node.pyz there, run the probe by hand "
                                    f"(python3 dsc_node.pyz probe) and mend what it says.")
@@ -106,7 +108,8 @@ class ActionModule(ActionBase):
             {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
             full_run=run_kind in ("probe", True), refuse_active=run_kind is True,
             firewall=dscplan.as_bool(self._templar.template(args.get("firewall", False))),
-            variables=variables, extra_vars=frozenset(map(str, load_extra_vars(self._loader))))
+            variables=variables, extra_vars=frozenset(map(str, load_extra_vars(self._loader))),
+            probe_errors=unprobed)
         if errors:
             return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
         result.update(plan)

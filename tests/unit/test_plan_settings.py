@@ -231,7 +231,7 @@ def with_end(name, end):
 
 
 # A secret's value may hold anything (only its name is checked: test_control_characters_in_names_are_refused_too).
-EVERY_SETTING = [n for n in OPTIONS if n not in dscplan.JSON_ONLY + dscplan.SECRET_SETTINGS]
+EVERY_SETTING = [n for n in OPTIONS if n not in dscplan.JSON_ONLY + dscplan.SECRET_SETTINGS + dscplan.PLAYBOOK_INPUTS]
 
 
 @pytest.mark.parametrize("end", HOSTILE_ENDS, ids=["LF", "CR", "NUL"])

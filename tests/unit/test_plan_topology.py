@@ -62,8 +62,12 @@ def test_status_plans_around_an_unreachable_node():
     hostvars, groups, probes = cluster(2, slots="auto")
     probes["node1"] = probe("10.0.0.11", gpus=1)
     del probes["node2"]
-    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {})
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {},
+                                  probe_errors={"node2": "Failed to connect to the host via ssh"})
     assert errors == [] and not p["node"]["node2"]["reachable"] and p["node"]["node1"]["reachable"]
+    # preflight's unreachable row reads why from the plan
+    assert (p["node"]["node2"]["probe_error"], p["node"]["node1"]["probe_error"]) == (
+        "Failed to connect to the host via ssh", "")
 
 
 def test_one_machine_under_two_names_is_refused():

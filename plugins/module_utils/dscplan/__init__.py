@@ -39,6 +39,7 @@ from .settings import (
     CLUSTER_SETTINGS,
     JSON_ONLY,
     NODE_SETTINGS,
+    PLAYBOOK_INPUTS,
     RETIRED_SETTINGS,
     RUN_OPTIONS,
     SECRET_SETTINGS,
@@ -64,7 +65,7 @@ from .settings import (
 from .topology import _firewall_backends, _nodes, node_order, training_address
 
 # What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
-__all__ = ["_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
+__all__ = ["_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
 
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -194,13 +195,14 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
 
 def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
               check_dir=os.path.isdir, full_run=False, refuse_active=True, firewall=False,
-              variables=None, extra_vars=()):
+              variables=None, extra_vars=(), probe_errors=None):
     """(plan, errors): everything the roles apply, or every reason it can't be made. `options`
     are the run options; `full_run` (launch, resume) derives the whole run, else only which run
     status, stop and logs act on; `firewall` (provision) refuses a node whose firewall the
     toolkit would not manage alone. `variables` ({node: the names of its variables}; default
     hostvars' own) and `extra_vars` (the names given with -e) find undeclared settings, and the
-    -e options a resume cannot apply."""
+    -e options a resume cannot apply. `probe_errors` ({node: why its probe gave no report}) goes
+    into each unreachable node's record (preflight's row says it)."""
     problems = Problems()
     names = node_order(groups)
     if not names:
@@ -216,7 +218,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     lock = _lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
     data = _data(s, f"on host {names[0]}", problems, check_dir)
     secrets = secret_names(hostvars, names, problems)
-    nodes = _nodes(names, hostvars, defaults, probes, problems)
+    nodes = _nodes(names, hostvars, defaults, probes, problems, probe_errors or {})
     _firewall_backends(nodes, probes, s, firewall, problems)
     _check_nodes(nodes, s, hostvars, probes, full_run, problems)
     env_owner = _existing_env_owner(s, nodes, probes, problems)

@@ -1,5 +1,5 @@
 """The run: its id and directory, the run options, what a resume refuses, the entry and launcher
-arguments, the secrets, and the commands the launch role runs."""
+arguments, the secrets, and the commands the runs role runs."""
 from __future__ import annotations
 
 import json

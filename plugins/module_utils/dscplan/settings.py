@@ -53,6 +53,9 @@ RUN_OPTIONS = (
     "dsc_launcher_args", "dsc_stall_timeout_s", "dsc_stall_fail", "plot_runs",
     "dsc_tensorboard", "dsc_model_shape", "dsc_auto_memory_gib",
 )
+# What the playbooks tell the plan role (declared in its spec beside the settings, handed to the
+# dsc_plan action as its arguments): never a setting, and with no default the plan reads.
+PLAYBOOK_INPUTS = ("plan_run", "plan_allow_unreachable", "plan_firewall")
 # The prefixes of the toolkit's settings: a variable with one that no role's meta/argument_specs.yml
 # declares is refused (a mistyped name, or an earlier version's, would be ignored without a word).
 SETTING_PREFIXES = ("dsc_", "cluster_network_")
@@ -101,7 +104,7 @@ def load_defaults(spec_path, pins_path):
     import yaml  # the control node has it (Ansible needs it)
     with open(spec_path) as f:
         options = yaml.safe_load(f)["argument_specs"]["main"]["options"]
-    defaults = {name: opt.get("default") for name, opt in options.items()}
+    defaults = {name: opt.get("default") for name, opt in options.items() if name not in PLAYBOOK_INPUTS}
     pins = read_pins(pins_path)
     defaults["dsc_torch_version"] = pins["TORCH_VERSION"]
     defaults["dsc_deepspeed_version"] = pins["DEEPSPEED_VERSION"]

@@ -56,7 +56,7 @@ def training_address(name, hv):
     return str(ip), None
 
 
-def _nodes(names, hostvars, defaults, probes, problems):
+def _nodes(names, hostvars, defaults, probes, problems, probe_errors):
     nodes, seen_addr, seen_target = [], {}, {}
     for rank, name in enumerate(names):
         hv = hostvars.get(name) or {}
@@ -111,6 +111,8 @@ def _nodes(names, hostvars, defaults, probes, problems):
                                    if not gpu_ids or int(g.get("index", -1)) in gpu_ids), default=0) or None,
             "iface": interface_for(addr, probe.get("interfaces") or {}),
             "infiniband": bool(probe.get("infiniband")), "reachable": reachable,
+            # Why the probe gave no report ("" where it did): preflight's unreachable row says it.
+            "probe_error": "" if reachable else str(probe_errors.get(name, "")),
             # The node helper installed there is this repository's (else launch installs it).
             "helper_sha256": probe.get("helper_sha256"),
             # Symbolic links in the run root: never a run directory (see _refused_starts).
