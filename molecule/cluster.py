@@ -274,10 +274,6 @@ dsc_torch_variant: cpu
 dsc_wheelhouse: {wheelhouse}
 # The vendored third-party scripts' packages (molecule/tests/test_own_scripts.py).
 dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.txt'}
-# A followed run polled every 2 s: the tests' runs are seconds long (users' default: 5), and
-# each poll costs nearly a CPU second (Ansible's module, the helper, pdsh to the other node).
-follow_every_s: 2
-follow_log_every_s: 2
 """ + extra)
 
 

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
 TINY = {"vocab_size": 512, "seq_len": 64}
 PLOTS = ROOT / "runs" / "testcluster" / "plots"
-# Short enough for the suite, long enough for several of follow's 2 s polls (the test inventory's
-# follow_every_s) and log polls (follow_log_every_s) while the ranks train.
+# Short enough for the suite, long enough for several of follow's polls (every 2 s here, users'
+# default 5) and log polls (follow_log_every_s, 2 s) while the ranks train.
 FOLLOWED_STEPS = 300
 # A stopped rank is a stall after this long without a step (a tiny step takes ~20 ms here).
 STALL_S = 8
@@ -42,7 +42,7 @@ def is_png(path, min_bytes=20000):
 def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, cluster):
     run_id = "w-follow"
     (PLOTS / f"{run_id}.png").unlink(missing_ok=True)
-    r = launch(cluster, run_id, "-e", "follow=true", "-e", "dsc_tensorboard=true",
+    r = launch(cluster, run_id, "-e", "follow=true", "-e", "follow_every_s=2", "-e", "dsc_tensorboard=true",
                *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]

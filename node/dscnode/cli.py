@@ -21,13 +21,15 @@ built file). Every command prints one JSON object.
     dsc_node.pyz stop RUN_ID [--grace S] [--run-dir DIR [--by WHO]] [--ext-dir DIR]
                                                # mark the run stopped (by WHO), TERM, then KILL after
                                                # S seconds
-    dsc_node.pyz status RUN_DIR RUN_ID [--hosts H1,H2]
+    dsc_node.pyz status RUN_DIR RUN_ID [--hosts H1,H2] [--wait S]
                                                # state, ranks alive, last metrics, first error
-                                               # (with --hosts: every node's state and ranks, via pdsh)
+                                               # (with --hosts: every node's state and ranks, via pdsh;
+                                               # with --wait: after up to S seconds, at once when the
+                                               # run ends: a followed run's poll)
     dsc_node.pyz write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
     dsc_node.pyz step-down RUN_DIR INDEX       # preset=auto's ladder step INDEX becomes the run's config
     dsc_node.pyz files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
-    dsc_node.pyz log RUN_DIR RUN_ID [--lines N] [--hosts H1,H2]
+    dsc_node.pyz log RUN_DIR RUN_ID [--lines N] [--hosts H1,H2] [--wait S]
                                                # the log's last N lines per node, its raw tail, the state
     dsc_node.pyz history RUN_DIR               # every logged step (metrics or progress), for plots
     dsc_node.pyz runs RUN_ROOT                 # every run, newest first, with its state (runs.yml)
@@ -73,6 +75,9 @@ def main(argv):
     except Blind as e:
         print(json.dumps({"error": str(e)}))
         return 5
+
+
+WAIT_HELP = "first wait up to S seconds while the run runs on this node (a followed run's poll)"
 
 
 def parser():
@@ -123,6 +128,7 @@ def parser():
     p.add_argument("run_dir")
     p.add_argument("run_id")
     p.add_argument("--hosts", default="")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S", help=WAIT_HELP)
     p = action("write-exit", _write_exit, "the run's exit code, recorded on a worker")
     p.add_argument("run_dir")
     p.add_argument("code", type=int)
@@ -136,6 +142,7 @@ def parser():
     p.add_argument("run_id")
     p.add_argument("--lines", type=int, default=20)
     p.add_argument("--hosts", default="")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S", help=WAIT_HELP)
     p = action("history", _history, "every logged step of the run")
     p.add_argument("run_dir")
     p = action("runs", _runs, "every run under the run root, newest first")
@@ -196,7 +203,8 @@ def _stop(a):
 
 
 def _status(a):
-    from dscnode.records import node_states, status
+    from dscnode.records import node_states, status, wait_for_end
+    wait_for_end(a.run_dir, a.wait)
     st = status(a.run_dir, a.run_id)
     if a.hosts:
         st["nodes"] = node_states(a.run_dir, a.run_id, a.hosts.split(","), st)
@@ -223,7 +231,8 @@ def _files(a):
 
 
 def _log(a):
-    from dscnode.records import log_tail
+    from dscnode.records import log_tail, wait_for_end
+    wait_for_end(a.run_dir, a.wait)
     print(json.dumps(log_tail(a.run_dir, a.run_id, a.lines, hosts(a.hosts))))
 
 

@@ -1,17 +1,21 @@
 """What a run has recorded, read on a node (node/dscnode records, rundir): the runs and their table,
 status states, the last metrics or any script's progress, the first error with its traceback,
 the run's total steps, the config shown, the run files, every node's ranks, the log's tail, run
-files never read through a link, and the status rows the control node prints from them.
+files never read through a link, a followed run's poll that returns when the run ends, and the
+status rows the control node prints from them.
 
     .venv/bin/pytest tests/unit/test_node_records.py -q
 """
 import json
 import os
 import subprocess
+import threading
+import time
 
 import pytest
 
 from dscnode import procs, records, rundir
+from tests.unit.node_helpers import helper
 
 
 def test_runs_lists_newest_first_with_active_and_started(tmp_path):
@@ -206,3 +210,30 @@ def test_status_rows_show_the_peak_against_the_prediction_and_each_step_down():
         "step down 1: zero1 micro-batch 16 ran out of memory (node1: torch.OutOfMemoryError: CUDA out of memory); "
         "then zero2 micro-batch 8"]
     assert filters.status_row(dict(st, memory=None)).endswith("memory - GiB")
+
+
+@pytest.mark.parametrize("action", ["status", "log"])
+def test_a_followed_polls_wait_returns_when_the_run_ends_and_not_before(tmp_path, action):
+    """--wait S: up to S seconds while the run's supervisor lives (running all through: after S),
+    at once when it has ended or ends meanwhile."""
+    def timed(*extra):
+        t0 = time.monotonic()
+        r = helper(action, tmp_path, "r1", *extra)
+        assert r.returncode == 0, r.stderr
+        return time.monotonic() - t0, json.loads(r.stdout)
+
+    supervisor = subprocess.Popen(["sleep", "30"])
+    (tmp_path / rundir.RunDir.PID).write_text(f"{supervisor.pid}\n")
+    try:
+        took, out = timed("--wait", "1.5")
+        assert 1.5 <= took < 10 and out.get("state", "running") == "running", (took, out)
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    took, _ = timed("--wait", "20")  # ended before the poll
+    assert took < 10, took
+    supervisor = subprocess.Popen(["sleep", "2"])
+    threading.Thread(target=supervisor.wait, daemon=True).start()  # reaped as init reaps it on a node
+    (tmp_path / rundir.RunDir.PID).write_text(f"{supervisor.pid}\n")
+    took, _ = timed("--wait", "60")  # ends during the poll
+    assert 2 <= took < 15, took
