@@ -41,6 +41,10 @@ PREFIX = f"dsc{SUFFIX}-"
 HELPER = "/usr/local/lib/dscluster/dsc_node.pyz"
 RUNS = "/opt/dscluster/runs"
 OUTSIDER = PREFIX + "outsider"
+# train.run's settings for a tiny run that a test ends itself (a stop, a fault, a second launch):
+# it steps at most ten times a second (train.run's min_step_s), so that while the test looks at
+# it, it leaves the CPU to Ansible and to the other cluster instead of spinning through steps.
+UNTIL_STOPPED = {"steps": 100000, "min_step_s": 0.1}
 
 
 def addr(host):

@@ -56,6 +56,9 @@ class Config:
     keep_checkpoints: int = 3          # complete checkpoints kept on each node; older ones are removed
                                        # once a newer one is complete (train/checkpoints.py)
     stop_at: int = 0                   # end after this step without a final checkpoint (0: off)
+    min_step_s: float = 0.0            # each step lasts at least this long, the rest slept (0: off): a
+                                       # long run kept for watching, stop, resume and fault drills
+                                       # without using a CPU or GPU it does not need
     run_dir: str = ""                  # where metrics and checkpoints go (default: $DSC_RUN_DIR or cwd)
     checkpoint_dir: str = ""           # default: <run_dir>/checkpoints
     timeout_min: int = 30              # process-group timeout (DEEPSPEED_TIMEOUT overrides)
@@ -89,6 +92,8 @@ class Config:
             raise ConfigError(f"config key 'data_path': {self.data_path} does not exist")
         if self.data == "text" and self.effective_vocab() < BYTE_VOCAB:
             raise ConfigError(f"config key 'vocab_size' must be at least {BYTE_VOCAB} for byte-level text")
+        if self.min_step_s < 0:
+            raise ConfigError(f"config key 'min_step_s' must be 0 or more, got {self.min_step_s}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"config key 'mask_prob' must be in (0, 1), got {self.mask_prob}")
         return self

@@ -251,7 +251,8 @@ class Checkpoints:
 
 
 def train_step(engine, batches, cfg, step: int, ga: int, world: int, device: str):
-    """One optimizer step of ga micro-batches: (the loss averaged over the ranks, lr, seconds)."""
+    """One optimizer step of ga micro-batches: (the loss averaged over the ranks, lr, seconds). A
+    paced run (min_step_s) sleeps the rest of the step after it: the seconds are the step's own."""
     t0 = time.time()
     lr = lr_at(cfg, step)
     for group in engine.optimizer.param_groups:
@@ -268,7 +269,10 @@ def train_step(engine, batches, cfg, step: int, ga: int, world: int, device: str
     mean_loss = loss_t.item() / world
     if device == "cuda":
         torch.cuda.synchronize()
-    return mean_loss, lr, time.time() - t0
+    dt = time.time() - t0
+    if cfg.min_step_s > dt:
+        time.sleep(cfg.min_step_s - dt)
+    return mean_loss, lr, dt
 
 
 def rss_max_gib() -> float:

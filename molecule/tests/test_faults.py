@@ -7,7 +7,7 @@ import subprocess
 import time
 
 import cluster as testcluster
-from cluster import wait
+from cluster import UNTIL_STOPPED, wait
 
 RUNS = "/opt/dscluster/runs"
 TINY = {"vocab_size": 512, "seq_len": 64}
@@ -18,13 +18,14 @@ EXIT_BOUND_S = {"rank": 30, "node": 60}
 
 
 def launch(cluster, run_id, steps, save_every, *extra, preset="zero2", follow=False, preflight=False):
-    """A tiny run; launch's preflight only where a test reads it (each costs seconds of CPU, and
-    test_preflight.py covers it)."""
+    """A tiny run of `steps` steps (UNTIL_STOPPED: until the test ends it); launch's preflight only
+    where a test reads it (each costs seconds of CPU, and test_preflight.py covers it)."""
+    steps = steps if isinstance(steps, dict) else {"steps": steps}
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/{run_id}", check=False)
     r = cluster.playbook("launch.yml", "-e", f"preset={preset}", "-e", f"run_id={run_id}",
                          "-e", f"follow={str(follow).lower()}", "-e", f"preflight={str(preflight).lower()}",
-                         "-e", json.dumps({"dsc_train_config": dict(TINY, steps=steps, save_every=save_every)}),
+                         "-e", json.dumps({"dsc_train_config": dict(TINY, **steps, save_every=save_every)}),
                          *extra)
     assert r.returncode == 0, r.output[-5000:]
     return r
@@ -43,7 +44,7 @@ def nothing_left(cluster, nodes, run_id, only_this_run=False):
 def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster, figures):
     run_id, worker, ended = "f-kill", cluster.names[1], False
     try:
-        launch(cluster, run_id, 100000, 5)
+        launch(cluster, run_id, UNTIL_STOPPED, 5)
         cluster.wait_checkpoint(run_id, 5)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         t0 = time.time()
@@ -71,7 +72,7 @@ def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, c
 def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
     run_id, worker = "f-down", cluster.names[1]
     try:
-        launch(cluster, run_id, 100000, 5)
+        launch(cluster, run_id, UNTIL_STOPPED, 5)
         cluster.wait_checkpoint(run_id, 5)
         t0 = time.time()
         subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + worker], check=True, capture_output=True)
@@ -101,7 +102,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
 def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(provisioned, cluster, figures):
     run_id, ended = "f-drop", False
     try:
-        launch(cluster, run_id, 100000, 1000)
+        launch(cluster, run_id, UNTIL_STOPPED, 1000)
         wait(lambda: cluster.run_status(run_id)["last"], 120, "a first logged step")
         # Drop every SSH session from the control node (Ansible's persistent ones included).
         for n in cluster.names:
@@ -114,7 +115,7 @@ def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(pro
         assert second.returncode != 0 and f"run {run_id} is active on {cluster.master}" in second.output
         assert "-e replace=true" in second.output
         assert all(v.get("changed", 0) == 0 for v in second.recap.values()), second.recap
-        replaced = launch(cluster, "f-second", 100000, 1000, "-e", "replace=true")
+        replaced = launch(cluster, "f-second", UNTIL_STOPPED, 1000, "-e", "replace=true")
         assert f"replacing run {run_id}" in replaced.output, replaced.output[-3000:]
         assert nothing_left(cluster, cluster.names, run_id, only_this_run=True)
         assert wait(lambda: cluster.rank_pids(cluster.names[1], "f-second"), 60, "the new run's ranks")
@@ -158,11 +159,11 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
     is a FIFO with no reader (storage that stalls), so the stop lands inside the write."""
     run_id, every, ended = "f-ckpt", 4, False
     try:
-        launch(cluster, run_id, 100000, every)
+        launch(cluster, run_id, UNTIL_STOPPED, every)
         cluster.wait_checkpoint(run_id, 2 * every)
         now = cluster.run_status(run_id)["last"]["step"]
-        # 40 saves ahead: seconds at this run's pace (a checkpoint, fsynced, every 4 steps: the
-        # 100 it was cost ~15 s of saves here), and the FIFO is in place one podman exec from now.
+        # 40 saves ahead: about 16 s at this run's pace (0.1 s a step, a checkpoint, fsynced,
+        # every 4 steps), and the FIFO is in place one podman exec from now.
         stuck = (now // every + 40) * every
         cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
                                      f"mkfifo {RUNS}/{run_id}/checkpoints/step{stuck}/mp_rank_00_model_states.pt",
@@ -250,7 +251,7 @@ def test_a_full_run_root_fails_the_run_with_its_reason_and_retention_keeps_n(pro
             cluster.exec(n, f"rm -rf {SMALL}/small-full")
         filled = cluster.playbook("launch.yml", "-e", "run_id=small-fill", "-e", f"dsc_run_root={SMALL}",
                                   "-e", "preflight=false",
-                                  "-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}))
+                                  "-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000)}))
         assert filled.returncode == 0, filled.output[-3000:]
         wait(lambda: (cluster.run_status("small-fill", root=SMALL).get("last") or {}).get("step", 0) > 2, 240,
              "small-fill training")

@@ -1,10 +1,12 @@
 """launch.yml and its companions on the container cluster: 2 nodes x 1 CPU rank, gloo, pdsh."""
+import itertools
 import json
 import time
 
 import pytest
 
 import dscplan
+from cluster import UNTIL_STOPPED
 
 TINY = {"vocab_size": 512, "seq_len": 64}
 
@@ -102,10 +104,14 @@ def _stop_and_resume(cluster):
         cluster.exec(n, "rm -rf /opt/dscluster/runs/t-long")
     # No preflight here (a later resume's preflight is the one this test reads).
     r = cluster.playbook("launch.yml", "-e", "preset=zero2", "-e", "run_id=t-long", "-e", "preflight=false",
-                         *tc(steps=100000, save_every=10))
+                         *tc(**UNTIL_STOPPED, save_every=10))
     assert r.returncode == 0, r.output[-4000:]
     cluster.wait_checkpoint("t-long", 10)
     assert all(run_procs(cluster, n, "t-long") for n in cluster.names), "ranks should run on every node"
+    # train.run's min_step_s: each logged step at least 0.1 s after the one before
+    rows = cluster.exec(cluster.master, "head -10 /opt/dscluster/runs/t-long/metrics.jsonl").stdout.splitlines()
+    times = [json.loads(x)["time"] for x in rows]
+    assert len(times) == 10 and min(b - a for a, b in itertools.pairwise(times)) >= UNTIL_STOPPED["min_step_s"] - 0.005, times
     second = cluster.playbook("launch.yml", "-e", "preset=zero2")
     assert second.returncode != 0 and f"run t-long is active on {cluster.master}" in second.output
     _a_dry_run_changes_nothing_outside_its_run_dir(cluster)

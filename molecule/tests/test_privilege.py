@@ -4,6 +4,8 @@ user runs with every interpreter start of that env; it records who ran it."""
 import json
 import shutil
 
+from cluster import UNTIL_STOPPED
+
 PTH = "/opt/dscluster/env/lib/python3.11/site-packages/zz_who_runs_me.pth"
 SEEN = "/tmp/who-ran-the-env"
 
@@ -82,7 +84,7 @@ def test_a_non_root_ansible_user_with_sudo_runs_the_whole_cycle(provisioned, clu
 
     def play(name, *args):
         return cluster.playbook(name, *args, inventory=inventory)
-    train = ["-e", json.dumps({"dsc_train_config": {"steps": 100000, "save_every": 10, "vocab_size": 512, "seq_len": 64}})]
+    train = ["-e", json.dumps({"dsc_train_config": {**UNTIL_STOPPED, "save_every": 10, "vocab_size": 512, "seq_len": 64}})]
     ended = False
     try:
         r = play("launch.yml", "-e", "run_id=ops-1", *train)

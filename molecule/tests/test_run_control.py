@@ -5,7 +5,7 @@ import json
 import threading
 import time
 
-from cluster import addr, wait
+from cluster import UNTIL_STOPPED, addr, wait
 
 RUNS = "/opt/dscluster/runs"
 OTHER_ROOT = "/opt/dscluster/runs-b"
@@ -32,7 +32,7 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/rc-a {OTHER_ROOT} && install -d -o dstrain -g dstrain {OTHER_ROOT}")
     # No preflight: the runs are what this test reads.
-    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}),
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000)}),
              "-e", "preflight=false"]
     a_stopped = False
     try:
@@ -74,7 +74,7 @@ def test_a_followed_run_stopped_on_purpose_ends_follow_with_rc_0_naming_the_stop
     run_id, followed, stopped = "rc-follow-stop", {}, False
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/{run_id}")
-    train = json.dumps({"dsc_train_config": dict(TINY, steps=100000, log_every=5, save_every=100000)})
+    train = json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, log_every=5, save_every=100000)})
     launch = threading.Thread(target=lambda: followed.update(r=cluster.playbook(
         "launch.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "preflight=false", "-e", train)))
     launch.start()
@@ -267,7 +267,7 @@ def test_runs_lists_every_run_with_its_state(provisioned, cluster):
 def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
     """Two launch.yml started together pass their plans side by side; the run root's lock lets
     exactly one start, with different run ids and with the same one."""
-    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, steps=100000, save_every=100000)}),
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000)}),
              "-e", "preflight=false"]
     for ids in (["race-a", "race-b"], ["race-same", "race-same"]):
         for n in cluster.names:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from cluster import wait
+from cluster import UNTIL_STOPPED, wait
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
@@ -108,7 +108,7 @@ def test_plot_draws_several_runs_in_one_picture(provisioned, cluster):
 def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provisioned, cluster):
     run_id, worker = "w-stall-mark", cluster.names[1]
     launch(cluster, run_id, "-e", f"dsc_stall_timeout_s={STALL_S}",
-           *e(dsc_train_config=dict(TINY, steps=100000, log_every=10, save_every=100000)))
+           *e(dsc_train_config=dict(TINY, **UNTIL_STOPPED, log_every=10, save_every=100000)))
     try:
         wait(lambda: (cluster.run_status(run_id).get("last") or {}).get("step"), 300, "the first steps")
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]

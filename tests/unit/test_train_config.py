@@ -380,3 +380,9 @@ def test_named_sizes_are_roughly_their_parameter_count(size, billions):
     layers, dim, _ = SIZES[size]
     params = 12 * layers * dim ** 2 + 50304 * dim
     assert math.isclose(params / 1e9, billions, rel_tol=0.15), params
+
+
+def test_a_paced_run_takes_no_negative_pace():
+    assert load_config().min_step_s == 0.0
+    assert load_config(overrides=["min_step_s=0.1"]).min_step_s == 0.1
+    assert "config key 'min_step_s' must be 0 or more, got -1.0" in error_of(overrides=["min_step_s=-1"])
