@@ -5,8 +5,8 @@
 #   container  molecule/tests: what needs real nodes (a cluster of podman containers over SSH)
 # It installs what each tier needs (the control venv; the offline wheelhouse and a CPU
 # torch+DeepSpeed venv; podman, runc and debootstrap from apt and the node images), the downloads
-# beside the unit tier and each other, and ends with where the time went (scripts/timings.py over
-# .cache/timings.jsonl).
+# beside the control venv, the unit tier and each other, and ends with where the time went
+# (scripts/timings.py over .cache/timings.jsonl).
 #   bash scripts/test.sh [pytest args for the container tier]
 #   DSC_TIERS="unit local" bash scripts/test.sh     # only these tiers
 set -euo pipefail
@@ -47,6 +47,14 @@ summary() {
 trap summary EXIT
 wants() { [[ " $tiers " == *" $1 "* ]]; }
 
+# The offline wheelhouse (downloads with the machine's own python3 and pip) from the start, beside
+# the control venv and the unit tier.
+if wants local || wants container; then
+  phase "wheelhouse (beside the control venv and the unit tier)" env \
+    REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh >.cache/wheelhouse.log 2>&1 &
+  wheelhouse_job=$!
+fi
+
 phase "control venv" bash scripts/setup-control.sh
 
 # What the container tier needs from outside (podman and its friends from apt, the node images
@@ -83,7 +91,9 @@ fi
 if wants unit; then phase "unit tier" tier unit tests/unit -q -rs; fi
 
 if wants local || wants container; then
-  phase "wheelhouse" env REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
+  echo "== waiting for the wheelhouse (.cache/wheelhouse.log)"
+  if ! wait "$wheelhouse_job"; then cat .cache/wheelhouse.log; exit 1; fi
+  cat .cache/wheelhouse.log
 fi
 
 # The local tier's torch and DeepSpeed (offline, from the wheelhouse), beside the node images.
