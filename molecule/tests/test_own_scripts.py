@@ -2,7 +2,8 @@
 three public scripts this project did not write (tests/fixtures/scripts/SOURCES.md), each with
 zero2 and zero3 across both nodes to completion (run_clm's zero2 run is the one stopped and
 resumed, accelerate's the one restarted by max_restarts); their requirements on every node; a
-dataset synced; secrets that reach the ranks and nothing else; and the bad inputs refused before any node changes."""
+dataset synced; secrets that reach the ranks and nothing else; and the bad inputs refused before
+any node changes."""
 import hashlib
 import json
 import os
@@ -178,11 +179,9 @@ def assert_hf_trainer_finished(cluster, run_id, preset, steps):
 
 
 # zero2's run to completion is the stopped-and-resumed run below (one run_clm start fewer).
-@pytest.mark.parametrize("preset", ["zero3"])
-def test_transformers_run_clm_trains_across_both_nodes(data, cluster, preset):
-    run_id = f"own-clm-{preset}"
-    launch(cluster, run_id, *clm_args(preset, 12), "-e", "follow=true", *NO_PREFLIGHT)
-    assert_hf_trainer_finished(cluster, run_id, preset, 12)
+def test_transformers_run_clm_trains_across_both_nodes_with_zero3(data, cluster):
+    launch(cluster, "own-clm-zero3", *clm_args("zero3", 12), "-e", "follow=true", *NO_PREFLIGHT)
+    assert_hf_trainer_finished(cluster, "own-clm-zero3", "zero3", 12)
 
 
 def assert_accelerate_finished(cluster, run_id, steps):
@@ -194,11 +193,9 @@ def assert_accelerate_finished(cluster, run_id, steps):
 
 
 # zero2's run to completion is the run restarted by max_restarts below (one start fewer).
-@pytest.mark.parametrize("preset", ["zero3"])
-def test_accelerate_script_trains_across_both_nodes(data, cluster, preset):
-    run_id = f"own-acc-{preset}"
-    launch(cluster, run_id, *accelerate_args(preset, 12), "-e", "follow=true", *NO_PREFLIGHT)
-    assert_accelerate_finished(cluster, run_id, 12)
+def test_accelerate_script_trains_across_both_nodes_with_zero3(data, cluster):
+    launch(cluster, "own-acc-zero3", *accelerate_args("zero3", 12), "-e", "follow=true", *NO_PREFLIGHT)
+    assert_accelerate_finished(cluster, "own-acc-zero3", 12)
 
 
 def files_on_every_node(cluster, run_id, path):
