@@ -281,7 +281,8 @@ def secrets_run(names, on=("node1", "node2")):
 def test_resume_gives_the_ranks_the_runs_own_secrets_or_refuses_naming_them():
     """Resume without dsc_secrets: the run's own (0600, beside it) reach its ranks (DSC_SECRETS
     in the launcher's environment, which the supervisor's restarts keep); gone on a node, or
-    given again without one of them, resume refuses naming the secrets, before any change."""
+    given again without one of them, or given to a run launched without any, resume refuses
+    naming the secrets, before any change."""
     hostvars, groups, probes = secrets_run(["WANDB_API_KEY"])
     p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
     assert errors == [] and p["run"]["id"] == "r1" and p["run"]["env"]["DSC_SECRETS"] == "1"
@@ -309,6 +310,13 @@ def test_resume_gives_the_ranks_the_runs_own_secrets_or_refuses_naming_them():
     hostvars, groups, probes = secrets_run([], on=())  # a run without secrets: nothing to load
     p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
     assert errors == [] and "DSC_SECRETS" not in p["run"]["env"]
+    # ... and none to give it on resume: its kept .deepspeed_env would not have its ranks load them
+    for hv in hostvars.values():
+        hv["dsc_secrets"] = {"HF_TOKEN": "x"}
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"resume": True}, full_run=True)
+    assert p is None and any("dsc_secrets: run 'r1' was launched without secrets" in e
+                             and "would start without HF_TOKEN" in e and "Fix: launch a new run with them" in e
+                             for e in errors), errors
 
 
 def test_a_launch_records_its_secret_names_never_their_values():

@@ -222,12 +222,20 @@ def _resume_secrets(run_id, plan, runs_seen, problems):
     """On resume: whether the ranks load the run's secrets (DSC_SECRETS). Given again
     (dsc_secrets), they are written anew and must name every secret the run was launched with;
     not given, the run's own file (0600, beside it) is used, on every node, or resume refuses,
-    naming the secrets: ranks never start without them silently."""
+    naming the secrets: ranks never start without them silently. A run launched without any
+    refuses them: its kept .deepspeed_env does not tell the ranks to load secrets."""
     run = next((r for r in runs_seen if r["id"] == run_id), None)
     if run is None or "nodes" not in plan:
         return False
     recorded = sorted(map(str, (run.get("launch") or {}).get("secret_names") or []))
     given = plan.get("secret_names") or []
+    if given and not recorded:
+        problems.add(f"dsc_secrets: run {run_id!r} was launched without secrets, and a resume keeps "
+                     f"the run's files, the ranks' environment (.deepspeed_env, which DeepSpeed's "
+                     f"runner passes to every node) among them: its ranks would start without "
+                     f"{', '.join(given)}. Fix: launch a new run with them (launch.yml), or "
+                     f"resume without dsc_secrets.")
+        return False
     if given:
         missing = [n for n in recorded if n not in given]
         if missing:
