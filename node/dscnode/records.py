@@ -109,8 +109,8 @@ def first_error(log, offset=0):
 
 def wait_for_end(run_dir, seconds, every=0.5):
     """Wait up to `seconds` while this node's supervisor of the run lives: a followed run's poll
-    (status and log with --wait) returns as soon as the run ends, not a poll later, and a poll
-    costs one SSH round trip per `seconds` instead of per second."""
+    (status and log with --wait) spends its interval here, on the node, and returns as soon as
+    the run ends instead of at the next poll."""
     deadline = time.monotonic() + seconds
     pid_file = RunDir(run_dir) / RunDir.PID
     while pid_alive(pid_file) and (left := deadline - time.monotonic()) > 0:
