@@ -17,15 +17,15 @@ TINY = {"vocab_size": 512, "seq_len": 64}
 EXIT_BOUND_S = {"rank": 30, "node": 60}
 
 
-def launch(cluster, run_id, steps, save_every, *extra, preset="zero2", follow=False, preflight=False):
-    """A tiny run of `steps` steps (UNTIL_STOPPED: until the test ends it); launch's preflight only
-    where a test reads it (each costs seconds of CPU, and test_preflight.py covers it)."""
-    steps = steps if isinstance(steps, dict) else {"steps": steps}
+def launch(cluster, run_id, train, *extra, preset="zero2", follow=False, preflight=False):
+    """A tiny run with train.run's settings `train` (steps, save_every; UNTIL_STOPPED's for a run
+    the test ends itself); launch's preflight only where a test reads it (each costs seconds of
+    CPU, and test_preflight.py covers it)."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/{run_id}", check=False)
     r = cluster.playbook("launch.yml", "-e", f"preset={preset}", "-e", f"run_id={run_id}",
                          "-e", f"follow={str(follow).lower()}", "-e", f"preflight={str(preflight).lower()}",
-                         "-e", json.dumps({"dsc_train_config": dict(TINY, **steps, save_every=save_every)}),
+                         "-e", json.dumps({"dsc_train_config": dict(TINY, **train)}),
                          *extra)
     assert r.returncode == 0, r.output[-5000:]
     return r
@@ -44,7 +44,7 @@ def nothing_left(cluster, nodes, run_id, only_this_run=False):
 def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, cluster, figures):
     run_id, worker, ended = "f-kill", cluster.names[1], False
     try:
-        launch(cluster, run_id, UNTIL_STOPPED, 5)
+        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=5))
         cluster.wait_checkpoint(run_id, 5)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         t0 = time.time()
@@ -72,7 +72,7 @@ def test_killed_rank_ends_the_run_everywhere_and_resume_continues(provisioned, c
 def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
     run_id, worker = "f-down", cluster.names[1]
     try:
-        launch(cluster, run_id, UNTIL_STOPPED, 5)
+        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=5))
         cluster.wait_checkpoint(run_id, 5)
         t0 = time.time()
         subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + worker], check=True, capture_output=True)
@@ -102,7 +102,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
 def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(provisioned, cluster, figures):
     run_id, ended = "f-drop", False
     try:
-        launch(cluster, run_id, UNTIL_STOPPED, 1000)
+        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=1000))
         wait(lambda: cluster.run_status(run_id)["last"], 120, "a first logged step")
         # Drop every SSH session from the control node (Ansible's persistent ones included).
         for n in cluster.names:
@@ -115,7 +115,7 @@ def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(pro
         assert second.returncode != 0 and f"run {run_id} is active on {cluster.master}" in second.output
         assert "-e replace=true" in second.output
         assert all(v.get("changed", 0) == 0 for v in second.recap.values()), second.recap
-        replaced = launch(cluster, "f-second", UNTIL_STOPPED, 1000, "-e", "replace=true")
+        replaced = launch(cluster, "f-second", dict(UNTIL_STOPPED, save_every=1000), "-e", "replace=true")
         assert f"replacing run {run_id}" in replaced.output, replaced.output[-3000:]
         assert nothing_left(cluster, cluster.names, run_id, only_this_run=True)
         assert wait(lambda: cluster.rank_pids(cluster.names[1], "f-second"), 60, "the new run's ranks")
@@ -140,7 +140,7 @@ def _hold_port(cluster, port):
 def test_busy_master_port_takes_the_next_and_an_exhausted_range_says_so(provisioned, cluster, figures):
     _hold_port(cluster, 29500)
     try:
-        r = launch(cluster, "f-port", 3, 1000, follow=True, preflight=True)
+        r = launch(cluster, "f-port", {"steps": 3, "save_every": 1000}, follow=True, preflight=True)
         assert cluster.exec(cluster.master, f"cat {RUNS}/f-port/master_port").stdout.strip() == "29501"
         assert "--master_port=29501" in cluster.exec(cluster.master, f"cat {RUNS}/f-port/launcher.log").stdout
         assert "launch will take 29501" in r.output  # the preflight warning
@@ -159,7 +159,7 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
     is a FIFO with no reader (storage that stalls), so the stop lands inside the write."""
     run_id, every, ended = "f-ckpt", 4, False
     try:
-        launch(cluster, run_id, UNTIL_STOPPED, every)
+        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=every))
         cluster.wait_checkpoint(run_id, 2 * every)
         now = cluster.run_status(run_id)["last"]["step"]
         # 40 saves ahead: about 16 s at this run's pace (0.1 s a step, a checkpoint, fsynced,
@@ -194,7 +194,7 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
     try:
         # ~50 tiny steps/s here at most: the kill lands by step ~250 (the checkpoint's poll and
         # two podman execs after step 100), well before the end.
-        launch(cluster, run_id, steps, 100, "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
+        launch(cluster, run_id, {"steps": steps, "save_every": 100}, "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
         cluster.wait_checkpoint(run_id, 100)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -9 {victim}")
