@@ -233,7 +233,7 @@ def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, c
                          "-e", "dsc_entry_script=boom.py", "-e", "dsc_ds_config_mode=none")
     assert r.returncode != 0
     assert "Run rc-boom failed" in r.output and "ValueError: bad shape (3, 4) on rank" in r.output, r.output[-3000:]
-    assert "Traceback (most recent call last):" in r.output and "in main" in r.output
+    assert "Traceback (most recent call last):" in r.output and "in main" in r.output, r.output[-3000:]
     status = cluster.playbook("status.yml", "-e", "run_id=rc-boom")
     assert "run rc-boom: failed" in status.output and "traceback (latest attempt):" in status.output, \
         status.output[-3000:]

@@ -83,11 +83,17 @@ ERROR_LINE = re.compile(r"(Traceback|Error|error:|Killed|exits with return code 
 EXCEPTION = re.compile(r"^(?:(\S+): )?(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b.*)$")
 
 
+# A line of a launcher's logger ("[2026-12-02 06:32:15,790] [INFO] [launch.py:145:main] ..."):
+# pdsh copies a node's stdout (the launcher's log) and stderr (the rank's traceback) line by line
+# as each is ready, so on a busy node the two interleave.
+LAUNCHER_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[[A-Z]+\] ")
+
+
 def first_error(log, offset=0):
     """(the first error of the attempt whose output starts at offset, that node's traceback):
     the first exception line (type and message, with the node that printed it), else the first
-    line that looks like an error; the traceback is up to 20 lines of that node's output before
-    it, from its "Traceback" line."""
+    line that looks like an error; the traceback is that node's output before it from its
+    "Traceback" line, without the launcher's log lines: the header and up to 19 last lines."""
     try:
         with open(log, "rb") as f:
             f.seek(offset)
@@ -98,9 +104,12 @@ def first_error(log, offset=0):
         m = EXCEPTION.match(line.strip())
         if m and "Warning" not in line:
             node = m.group(1)
-            own = [x for x in lines[:i] if node is None or x.startswith(node + ": ")]
+            prefix = node + ": " if node else ""
+            own = [x for x in lines[:i] if x.startswith(prefix)
+                   and not LAUNCHER_LOG_LINE.match(x[len(prefix):])]
             start = max((j for j, x in enumerate(own) if "Traceback" in x), default=len(own))
-            return line.strip()[:400], (own[start:] + [line])[-20:]
+            trace = own[start:] + [line]
+            return line.strip()[:400], trace[:1] + trace[1:][-19:]
     for line in lines:
         if ERROR_LINE.search(line) and "UserWarning" not in line:
             return line.strip()[:400], []

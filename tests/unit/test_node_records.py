@@ -86,6 +86,24 @@ def test_the_first_exception_of_the_latest_attempt_with_its_node_and_traceback(t
     assert st["state"] == "failed" and st["first_error"] == error and st["traceback"] == trace
 
 
+def test_the_traceback_keeps_its_header_when_the_launchers_log_lines_interleave(tmp_path):
+    """pdsh copies a node's stdout and stderr as each line is ready: on a busy node the
+    launcher's log lines land inside the rank's traceback. They are left out, and a long
+    traceback keeps its header and its last lines."""
+    frames = [f'node2:   File "m{k}.py", line {k}, in f{k}' for k in range(30)]
+    info = [f"node2: [2026-12-02 06:32:15,79{k}] [INFO] [launch.py:145:main] {k} NCCL_DEBUG=WARN"
+            for k in range(9)]
+    mixed = ["node2: Traceback (most recent call last):"]
+    for k, frame in enumerate(frames):
+        mixed += [frame] + info[k:k + 1]
+    log = tmp_path / "launcher.log"
+    log.write_text("\n".join(mixed + ["node2: ValueError: bad shape (3, 4) on rank 1"]) + "\n")
+    error, trace = records.first_error(log)
+    assert error == "node2: ValueError: bad shape (3, 4) on rank 1"
+    assert trace[0] == "node2: Traceback (most recent call last):" and len(trace) == 20
+    assert trace[1:] == frames[-18:] + [error]
+
+
 def test_run_files_leave_out_code_and_checkpoints(tmp_path):
     for name in ("launcher.log", "metrics.jsonl", "monitor/csv/loss.csv", "code/train.py",
                  "checkpoints/step10/COMPLETE", "exit_code.tmp"):
