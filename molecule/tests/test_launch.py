@@ -40,6 +40,13 @@ def test_zero3_trains_across_two_nodes_to_completion(zero3_run, cluster):
     for node in cluster.names:  # each node keeps its own ranks' shards, marked complete
         cluster.exec(node, "test -f /opt/dscluster/runs/t-zero3/checkpoints/step12/COMPLETE")
         cluster.exec(node, "ls /opt/dscluster/runs/t-zero3/checkpoints/step6/*optim_states.pt")
+        # py-cpuinfo's answer for this boot, kept by provision's op warm-up: the ranks read it
+        # (no second probe written after the run started)
+        kept = cluster.exec(node, "cat /opt/dscluster/cache/torch_extensions/cpuinfo.json; echo; "
+                                  "cat /proc/sys/kernel/random/boot_id; "
+                                  "find /opt/dscluster/cache/torch_extensions/cpuinfo.json "
+                                  "-newer /opt/dscluster/runs/t-zero3/run_id").stdout.splitlines()
+        assert json.loads(kept[0])["boot_id"] == kept[1] and json.loads(kept[0])["info"]["arch"] and len(kept) == 2, kept
 
 
 def test_rank_env_names_the_interface_holding_each_address(zero3_run, cluster):

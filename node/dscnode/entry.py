@@ -216,6 +216,59 @@ class OpBuildWatch:
             pass
 
 
+class CpuInfoOnce:
+    """py-cpuinfo's get_cpu_info, which DeepSpeed calls twice for every CPU op it loads, cached or
+    not (OpBuilder.cpu_arch and simd_width, for the build flags), and once more in
+    DeepSpeedCPUAdam: each call starts a fresh Python that probes the CPU, about a second of CPU
+    time, so each rank of a gloo run spent two seconds on it before its first step. A node's CPU
+    does not change while it runs: the first answer is kept beside the JIT cache
+    (TORCH_EXTENSIONS_DIR/cpuinfo.json, written by the training user for this boot and this
+    py-cpuinfo) and every later call on the node reads it; without TORCH_EXTENSIONS_DIR, once
+    per process."""
+
+    def __init__(self, root=None, boot_id=None):
+        self.path = Path(root, "cpuinfo.json") if root else None
+        self.key = boot_id or read_boot_id()
+        self.info = None
+
+    def __call__(self, module):
+        get_cpu_info, version = module.get_cpu_info, getattr(module, "CPUINFO_VERSION_STRING", "?")
+
+        def once():
+            if self.info is None:
+                self.info = self.kept(version)
+            if self.info is None:
+                self.info = get_cpu_info()
+                self.keep(version)
+            return dict(self.info)
+        module.get_cpu_info = once
+
+    def kept(self, version):
+        try:
+            kept = json.loads(self.path.read_text())
+            if kept["boot_id"] == self.key and kept["cpuinfo"] == version and kept["info"].get("arch"):
+                return kept["info"]
+        except (AttributeError, OSError, ValueError, KeyError, TypeError):  # none yet, or not ours
+            pass
+        return None
+
+    def keep(self, version):
+        if self.path and self.key:  # ranks of one node may write at once: a file each, renamed
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps({"boot_id": self.key, "cpuinfo": version, "info": self.info}))
+                tmp.rename(self.path)
+            except OSError:  # a cache, never a rank's failure
+                tmp.unlink(missing_ok=True)
+
+
+def read_boot_id():
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
 def peak_allocated(engine):
     """torch.cuda.max_memory_allocated() of the engine's device, None off CUDA."""
     torch = sys.modules.get("torch")
@@ -286,7 +339,8 @@ def entry(args, local_rank=()):
             raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
                              f"be read: {e}. Fix: resume with dsc_secrets given again (resume.yml "
                              f"writes them anew on every node).") from None
-    patches = {"accelerate.state": accelerate_on_cpu}
+    patches = {"accelerate.state": accelerate_on_cpu,
+               "cpuinfo": CpuInfoOnce(os.environ.get("TORCH_EXTENSIONS_DIR"))}
     if run_dir:
         watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED)
         patches["deepspeed.runtime.engine"] = watch

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -308,3 +309,32 @@ def test_each_rank_records_the_jit_op_builds_it_waits_on_and_status_says_so(tmp_
     assert records.status(run, "r1")["op_build"] == build
     (run / rundir.RunDir.OP_BUILDS).unlink()
     assert records.status(run, "r1")["op_build"] is None
+
+
+def test_py_cpuinfo_runs_once_per_node_and_boot_and_every_later_call_reads_its_answer(tmp_path):
+    """DeepSpeed asks py-cpuinfo twice per CPU op it loads; each answer costs a fresh Python. The
+    first rank's answer is kept in the JIT cache for this boot; ranks after it read it; another
+    boot, another py-cpuinfo or a damaged file asks again."""
+    calls = []
+
+    def cpuinfo_module():
+        module = types.ModuleType("cpuinfo")
+        module.CPUINFO_VERSION_STRING = "9.0.0"
+        module.get_cpu_info = lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx2"]}
+        return module
+
+    def rank(boot_id="boot-1"):
+        module = cpuinfo_module()
+        entry.CpuInfoOnce(tmp_path, boot_id)(module)
+        return module
+    first = rank()
+    assert first.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"]} and first.get_cpu_info()["arch"] == "X86_64"
+    assert len(calls) == 1 and json.loads((tmp_path / "cpuinfo.json").read_text())["boot_id"] == "boot-1"
+    assert rank().get_cpu_info()["flags"] == ["avx2"] and len(calls) == 1  # another rank: read
+    assert rank("boot-2").get_cpu_info() and len(calls) == 2  # rebooted: asked again, kept anew
+    (tmp_path / "cpuinfo.json").write_text("{not json")
+    assert rank("boot-2").get_cpu_info() and len(calls) == 3
+    assert not list(tmp_path.glob("*.tmp"))
+    module = cpuinfo_module()  # no TORCH_EXTENSIONS_DIR: once per process, nothing written
+    entry.CpuInfoOnce(None, "boot-1")(module)
+    assert module.get_cpu_info() and module.get_cpu_info() and len(calls) == 4
