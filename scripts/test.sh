@@ -96,14 +96,16 @@ if wants local || wants container; then
   cat .cache/wheelhouse.log
 fi
 
-# The local tier's torch and DeepSpeed (offline, from the wheelhouse), beside the node images.
+# The local tier (its torch and DeepSpeed first: offline, from the wheelhouse) from here on, beside
+# the node images and then the provisioned image's build: it starts as soon as its venv is there.
 if wants local; then
-  train_venv() {
+  local_tier() {
     [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
       'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
+    phase "local tier" tier local tests/local -v -rs --durations=5
   }
-  train_venv >.cache/train-venv.log 2>&1 &
-  train_venv_job=$!
+  local_tier >.cache/local-tier.log 2>&1 &
+  local_tier_job=$!
 fi
 
 if wants container; then
@@ -121,9 +123,11 @@ if wants container; then
 fi
 
 if wants local; then
-  echo "== waiting for the train venv (.cache/train-venv.log)"
-  if ! wait "$train_venv_job"; then cat .cache/train-venv.log; exit 1; fi
-  phase "local tier" tier local tests/local -v -rs --durations=5
+  echo "== waiting for the local tier (.cache/local-tier.log)"
+  local_rc=0
+  wait "$local_tier_job" || local_rc=$?
+  cat .cache/local-tier.log
+  [ "$local_rc" -eq 0 ] || exit "$local_rc"
 fi
 
 # container_tier [pytest args]: with no args, the tier's files split between two clusters that run
