@@ -3,8 +3,9 @@
     <env python> -u dsc_node.pyz [--local_rank=N] entry --script FILE | --module NAME [ARGS...]
 
 and runs here, under the training env's python: the run's secrets into its environment,
-DeepSpeed's engine watched for progress (EngineWatch) and its JIT op builds recorded
-(OpBuildWatch), both through an import hook, then the user's script or module in this process.
+DeepSpeed's engine watched for progress (EngineWatch), its JIT op builds recorded (OpBuildWatch)
+and py-cpuinfo's answer kept for the node (CpuInfoOnce), all through an import hook, then the
+user's script or module in this process.
 It imports rundir.py and the standard library, nothing else of the package: its import cost is
 every rank's."""
 import atexit
