@@ -239,19 +239,6 @@ def test_a_failing_script_shows_its_first_exception_and_traceback(provisioned, c
         status.output[-3000:]
 
 
-def test_follow_prints_progress_lines_not_retry_messages(provisioned, cluster):
-    # Long enough for several of follow's polls (every 2 s here, users' default 5) once steps come.
-    r = cluster.playbook("launch.yml", "-e", "run_id=rc-follow", "-e", "follow=true", "-e", "follow_every_s=2",
-                         "-e", "preflight=false",
-                         "-e", json.dumps({"dsc_train_config": dict(TINY, steps=400, log_every=10, save_every=10000)}))
-    assert r.returncode == 0, r.output[-3000:]
-    steps = [int(line.split("step ")[1].split("/")[0]) for line in r.output.splitlines()
-             if line.startswith("run rc-follow: running, step ")]
-    assert len(steps) >= 2 and steps == sorted(steps) and steps[0] < steps[-1], r.output[-3000:]
-    assert "/400, loss " in r.output and "elapsed " in r.output
-    assert "RETRYING" not in r.output
-
-
 def test_runs_lists_every_run_with_its_state(provisioned, cluster):
     """runs.yml after the runs above (and the other test files'): finished, stopped and failed ones
     with their ids, newest first."""

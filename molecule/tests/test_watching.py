@@ -46,6 +46,10 @@ def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, clu
                *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
+    # progress lines, not retry messages: the step counts on from one poll to the next
+    steps = [int(x.split("step ")[1].split("/")[0]) for x in lines]
+    assert steps == sorted(steps) and steps[0] < steps[-1], lines
+    assert f"/{FOLLOWED_STEPS}, loss " in r.output and "elapsed " in r.output
     # while the ranks train both nodes say so, and both nodes' ranks count (one each; at the last
     # step the worker's ranks may be gone first: "ended", while the master's still writes its
     # checkpoint)
