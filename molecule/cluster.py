@@ -45,6 +45,8 @@ OUTSIDER = PREFIX + "outsider"
 # it steps at most ten times a second (train.run's min_step_s), so that while the test looks at
 # it, it leaves the CPU to Ansible and to the other cluster instead of spinning through steps.
 UNTIL_STOPPED = {"steps": 100000, "min_step_s": 0.1}
+# The tests' model: train.run's tiny GPT with a small vocabulary and short sequences.
+TINY = {"vocab_size": 512, "seq_len": 64}
 
 
 def addr(host):

@@ -7,10 +7,9 @@ import subprocess
 import time
 
 import cluster as testcluster
-from cluster import UNTIL_STOPPED, wait
+from cluster import TINY, UNTIL_STOPPED, wait
 
 RUNS = "/opt/dscluster/runs"
-TINY = {"vocab_size": 512, "seq_len": 64}
 # A dead node must not leave the others blocked in a collective: the bound documented in
 # docs/runs.md, "When something fails" (detection through pdsh and ssh keep-alives, then a
 # teardown on every node).

@@ -6,9 +6,7 @@ import time
 import pytest
 
 import dscplan
-from cluster import UNTIL_STOPPED
-
-TINY = {"vocab_size": 512, "seq_len": 64}
+from cluster import TINY, UNTIL_STOPPED
 
 
 def tc(**kw):

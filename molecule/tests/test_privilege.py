@@ -4,7 +4,7 @@ user runs with every interpreter start of that env; it records who ran it."""
 import json
 import shutil
 
-from cluster import UNTIL_STOPPED
+from cluster import TINY, UNTIL_STOPPED
 
 PTH = "/opt/dscluster/env/lib/python3.11/site-packages/zz_who_runs_me.pth"
 SEEN = "/tmp/who-ran-the-env"
@@ -34,7 +34,7 @@ chmod 755 $f; done""", user="dstrain")
         for playbook, args in [("provision.yml", []),
                                ("preflight.yml", ["-e", f"preflight_report_dir={tmp_path}", "-e", "preflight_full=false"]),
                                ("launch.yml", ["-e", "run_id=priv-1", "-e", "follow=true", "-e",
-                                               json.dumps({"dsc_train_config": {"steps": 2, "vocab_size": 512, "seq_len": 64}})]),
+                                               json.dumps({"dsc_train_config": dict(TINY, steps=2)})]),
                                ("status.yml", ["-e", "run_id=priv-1"]),
                                ("stop.yml", ["-e", "run_id=priv-1"])]:
             r = cluster.playbook(playbook, *args)
@@ -84,7 +84,7 @@ def test_a_non_root_ansible_user_with_sudo_runs_the_whole_cycle(provisioned, clu
 
     def play(name, *args):
         return cluster.playbook(name, *args, inventory=inventory)
-    train = ["-e", json.dumps({"dsc_train_config": {**UNTIL_STOPPED, "save_every": 10, "vocab_size": 512, "seq_len": 64}})]
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=10)})]
     ended = False
     try:
         r = play("launch.yml", "-e", "run_id=ops-1", *train)

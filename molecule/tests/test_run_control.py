@@ -5,11 +5,10 @@ import json
 import threading
 import time
 
-from cluster import UNTIL_STOPPED, addr, wait
+from cluster import TINY, UNTIL_STOPPED, addr, wait
 
 RUNS = "/opt/dscluster/runs"
 OTHER_ROOT = "/opt/dscluster/runs-b"
-TINY = {"vocab_size": 512, "seq_len": 64}
 
 
 def procs(cluster, node, run_id):

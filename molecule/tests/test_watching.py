@@ -8,11 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from cluster import UNTIL_STOPPED, wait
+from cluster import TINY, UNTIL_STOPPED, wait
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
-TINY = {"vocab_size": 512, "seq_len": 64}
 PLOTS = ROOT / "runs" / "testcluster" / "plots"
 # Short enough for the suite, long enough for several of follow's polls (every 2 s here, users'
 # default 5) and log polls (follow_log_every_s, 2 s) while the ranks train.
