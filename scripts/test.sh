@@ -47,6 +47,23 @@ summary() {
 trap summary EXIT
 wants() { [[ " $tiers " == *" $1 "* ]]; }
 
+# What the container tier needs from outside: podman and its friends from apt and the node images
+# from debootstrap (mostly downloads and dpkg, on one core) from the very start, beside the
+# wheelhouse, the control venv and the unit tier: the provisioned image's build waits on them.
+node_tools() {
+  local need=() tool
+  for tool in podman runc debootstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
+  if [ ${#need[@]} -gt 0 ]; then
+    phase "podman runc debootstrap openssh-client rsync (apt)" bash -c 'apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client rsync >/dev/null'
+  fi
+  phase "node images" bash molecule/build-image.sh
+}
+if wants container; then
+  node_tools >.cache/node-tools.log 2>&1 &
+  node_tools_job=$!
+fi
+
 # The offline wheelhouse (downloads with the machine's own python3 and pip) from the start, beside
 # the control venv and the unit tier.
 if wants local || wants container; then
@@ -57,25 +74,11 @@ fi
 
 phase "control venv" bash scripts/setup-control.sh
 
-# What the container tier needs from outside (podman and its friends from apt, the node images
-# from debootstrap, the test packages from PyPI: mostly downloads) comes beside the unit tier and
-# the wheelhouse.
-node_tools() {
-  local need=() tool
-  for tool in podman runc debootstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
-  if [ ${#need[@]} -gt 0 ]; then
-    phase "podman runc debootstrap openssh-client rsync (apt)" bash -c 'apt-get update -qq &&
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client rsync >/dev/null'
-  fi
-  phase "node images" bash molecule/build-image.sh
-  # What the tests install beside the wheelhouse, fetched here so that the tests themselves reach
-  # only their own containers: DeepSpeed's source archive as PyPI has it and wheel (the index
-  # test; a source build without a pyproject.toml needs wheel beside setuptools), and another
-  # version of packaging than the wheelhouse's (the version-skew preflight test).
-  if [ ! -d .cache/test-packages ]; then
-    phase "test packages (.cache/test-packages)" fetch_test_packages
-  fi
-}
+# What the tests install beside the wheelhouse, fetched here (with the control venv's pip) so that
+# the tests themselves reach only their own containers: DeepSpeed's source archive as PyPI has it
+# and wheel (the index test; a source build without a pyproject.toml needs wheel beside
+# setuptools), and another version of packaging than the wheelhouse's (the version-skew
+# preflight test).
 fetch_test_packages() {
   . requirements/pins.env
   local fetch=(.venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d .cache/test-packages.part)
@@ -83,9 +86,9 @@ fetch_test_packages() {
   "${fetch[@]}" --only-binary :all: wheel packaging==26.3
   mv .cache/test-packages.part .cache/test-packages
 }
-if wants container; then
-  node_tools >.cache/node-tools.log 2>&1 &
-  node_tools_job=$!
+if wants container && [ ! -d .cache/test-packages ]; then
+  phase "test packages (.cache/test-packages)" fetch_test_packages >.cache/test-packages.log 2>&1 &
+  test_packages_job=$!
 fi
 
 if wants unit; then phase "unit tier" tier unit tests/unit -q -rs; fi
@@ -112,6 +115,7 @@ if wants container; then
   echo "== waiting for podman and the node images (.cache/node-tools.log)"
   if ! wait "$node_tools_job"; then cat .cache/node-tools.log; exit 1; fi
   cat .cache/node-tools.log
+  if [ -n "${test_packages_job:-}" ] && ! wait "$test_packages_job"; then cat .cache/test-packages.log; exit 1; fi
   for c in 0 1; do
     phase "removing what an earlier, killed run left behind (cluster $c)" env DSC_TEST_CLUSTER=$c .venv/bin/python molecule/cluster.py down
   done
