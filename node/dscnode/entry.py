@@ -245,22 +245,22 @@ class CpuInfoOnce:
         module.get_cpu_info = once
 
     def kept(self, version):
+        if not self.path:
+            return None
         try:
             kept = json.loads(self.path.read_text())
             if kept["boot_id"] == self.key and kept["cpuinfo"] == version and kept["info"].get("arch"):
                 return kept["info"]
-        except (AttributeError, OSError, ValueError, KeyError, TypeError):  # none yet, or not ours
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not ours
             pass
         return None
 
     def keep(self, version):
-        if self.path and self.key:  # ranks of one node may write at once: a file each, renamed
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        if self.path and self.key:
             try:
-                tmp.write_text(json.dumps({"boot_id": self.key, "cpuinfo": version, "info": self.info}))
-                tmp.rename(self.path)
+                write_atomic(self.path, json.dumps({"boot_id": self.key, "cpuinfo": version, "info": self.info}))
             except OSError:  # a cache, never a rank's failure
-                tmp.unlink(missing_ok=True)
+                pass
 
 
 def read_boot_id():

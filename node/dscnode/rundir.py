@@ -129,9 +129,10 @@ def read_json(path):
 
 
 def write_atomic(path, text):
-    """Readers (status, the playbooks) never see a half-written file."""
+    """Readers (status, the playbooks) never see a half-written file; writers at once (ranks of one
+    node) each write their own temporary file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)
     except OSError:
