@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dscnode import program
 from dscnode.procs import pid_alive, procs, ranks_of, started_by
-from dscnode.rundir import RunDir, has_secrets, last_line, read_json, read_text
+from dscnode.rundir import RunDir, entries, has_secrets, last_line, read_json, read_text
 
 
 def memory_summary(run_dir):
@@ -54,11 +54,7 @@ def runs(run_root):
     """The runs under the run root, newest first: id, started (a launcher log exists), active,
     finished (exit code 0)."""
     out = []
-    try:
-        entries = list(os.scandir(run_root))
-    except OSError:
-        return out
-    for e in entries:
+    for e in entries(run_root):
         if not e.is_dir(follow_symlinks=False) or e.name.startswith("."):  # .secrets: no run
             continue
         d = RunDir(e.path)

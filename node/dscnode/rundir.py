@@ -71,6 +71,14 @@ def has_secrets(run_dir):
         return False
 
 
+def entries(folder):
+    """The folder's entries (os.DirEntry), or none when it cannot be read."""
+    try:
+        return list(os.scandir(folder))
+    except OSError:
+        return []
+
+
 def prune_secrets(run_root):
     """Remove the secrets files whose run directory is gone (a secrets file goes with its run;
     run by the training user, at write-secrets and start): the ids removed."""
@@ -78,11 +86,7 @@ def prune_secrets(run_root):
     if folder.is_symlink():
         return []
     gone = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return gone
-    for e in entries:
+    for e in entries(folder):
         run_id = e.name[:-len(".json")] if e.name.endswith(".json") else ""
         if run_id and not os.path.lexists(Path(run_root) / run_id):
             try:

@@ -32,6 +32,15 @@ def _duration(seconds):
     return str(datetime.timedelta(seconds=int(max(seconds, 0))))
 
 
+def _json_record(stdout, keys):
+    """stdout as a JSON object holding `keys`, else None."""
+    try:
+        record = json.loads(stdout or "")
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and keys <= set(record) else None
+
+
 def progress_line(stdout, now=None):
     """One line from the helper's status JSON, or None when stdout is not one. The total and the
     ETA only where the helper knows the run's total (its status says which runs do); the ETA at
@@ -39,11 +48,8 @@ def progress_line(stdout, now=None):
     in it). A DeepSpeed op the ranks are JIT-building (before their first step, the first time a
     node uses it) is said, with how long so far: the wait is not a hang. Ranks alive: every
     node's (the status's `nodes`, read through pdsh), else this node's, named."""
-    try:
-        st = json.loads(stdout or "")
-    except ValueError:
-        return None
-    if not isinstance(st, dict) or not {"run_id", "state", "last"} <= set(st):
+    st = _json_record(stdout, {"run_id", "state", "last"})
+    if st is None:
         return None
     now = time.time() if now is None else now
     last = st.get("last") or {}
@@ -79,11 +85,8 @@ def progress_line(stdout, now=None):
 def new_log_lines(stdout, printed):
     """(lines of the helper's log tail past byte offset `printed`, the new offset), or None when
     stdout is not a log tail. The first poll shows the tail it was given."""
-    try:
-        tail = json.loads(stdout or "")
-    except ValueError:
-        return None
-    if not isinstance(tail, dict) or not {"run_id", "offset", "text"} <= set(tail):
+    tail = _json_record(stdout, {"run_id", "offset", "text"})
+    if tail is None:
         return None
     data = tail["text"].encode()
     skip = max(0, (printed or 0) - tail["offset"]) if printed is not None else 0
