@@ -15,9 +15,9 @@ want=$(sha256sum "$here/requirements/control.lock" | cut -d' ' -f1)
 # (cluster, the container tier's cluster). Ansible's action and filter plugins, pytest and bench/
 # all run this venv's python, which reads the .pth at start. Written on every run, so a moved
 # repository or a venv made before the file existed gets it without reinstalling.
+purelib() { "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))'; }
 write_paths() {
-  local site; site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-  printf '%s\n' "$here" "$here/plugins/module_utils" "$here/node" "$here/molecule" > "$site/dscluster.pth"
+  printf '%s\n' "$here" "$here/plugins/module_utils" "$here/node" "$here/molecule" > "$(purelib)/dscluster.pth"
 }
 if [ -x "$venv/bin/ansible-playbook" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   write_paths
@@ -27,8 +27,10 @@ fi
 write_paths
 # Every package pinned with its sha256 (scripts/lock.sh writes the lock from control.txt); a pip
 # failure fails this script (only the "is ignored" notes of a site's unreachable extra index are
-# left out of its output).
-"$venv/bin/pip" install -q --disable-pip-version-check --require-hashes --no-deps \
+# left out of its output). Byte-compiled after, all but the bundled collections' 15,000 files
+# (15 CPU s), of which the playbooks load a handful: Python compiles those at their first import.
+"$venv/bin/pip" install -q --disable-pip-version-check --require-hashes --no-deps --no-compile \
   -r "$here/requirements/control.lock" 2> >(grep -v 'is ignored' >&2)
+"$venv/bin/python" -m compileall -qq -x '/ansible_collections/' "$(purelib)" || true
 version=$("$venv/bin/ansible-playbook" --version); echo "${version%%$'\n'*}"
 echo "$want" > "$stamp"

@@ -36,16 +36,35 @@ t_start=$(date +%s%N)
 summary() {
   local ms=$(( ($(date +%s%N) - t_start) / 1000000 ))
   printf '{"kind": "wall", "seconds": %d.%03d}\n' $((ms / 1000)) $((ms % 1000)) >>"$DSC_TIMINGS"
-  # A tier that failed first leaves no background job behind (the image build).
-  local jobs_left
-  jobs_left=$(jobs -pr)
-  [ -z "$jobs_left" ] || kill $jobs_left 2>/dev/null || true
+  # A tier that failed first leaves no background job behind (the image build), nor its children.
+  kill_tree $(jobs -pr)
   if [ -f .cache/test-figures.jsonl ]; then echo "== figures the tests measured"; cat .cache/test-figures.jsonl; fi
   echo "== where the time went ($DSC_TIMINGS)"
   [ -x .venv/bin/python ] && [ -f "$DSC_TIMINGS" ] && .venv/bin/python scripts/timings.py "$DSC_TIMINGS" || true
 }
+kill_tree() {
+  local p c
+  for p in "$@"; do
+    for c in $(ps -o pid= --ppid "$p"); do kill_tree "$c"; done
+    kill "$p" 2>/dev/null || true
+  done
+}
 trap summary EXIT
 wants() { [[ " $tiers " == *" $1 "* ]]; }
+
+# start NAME LOG FUNCTION [ARGS]: run it in the background (errexit on, output to LOG); its exit
+# status lands in .cache/jobs/NAME, so that any later job can wait for it (await).
+start() {
+  local name=$1 log=$2; shift 2
+  ( set +e; ( set -e; "$@" ); echo $? >".cache/jobs/$name" ) >"$log" 2>&1 &
+}
+# await NAME LOG: wait for a started job and print its log; its exit status.
+await() {
+  while [ ! -f ".cache/jobs/$1" ]; do sleep 1; done
+  cat "$2"
+  return "$(cat ".cache/jobs/$1")"
+}
+rm -rf .cache/jobs && mkdir -p .cache/jobs
 
 # What the container tier needs from outside: podman and its friends from apt and the node images
 # from debootstrap (mostly downloads and dpkg, on one core) from the very start, beside the
@@ -59,17 +78,13 @@ node_tools() {
   fi
   phase "node images" bash molecule/build-image.sh
 }
-if wants container; then
-  node_tools >.cache/node-tools.log 2>&1 &
-  node_tools_job=$!
-fi
+if wants container; then start node-tools .cache/node-tools.log node_tools; fi
 
 # The offline wheelhouse (downloads with the machine's own python3 and pip) from the start, beside
 # the control venv and the unit tier.
 if wants local || wants container; then
-  phase "wheelhouse (beside the control venv and the unit tier)" env \
-    REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh >.cache/wheelhouse.log 2>&1 &
-  wheelhouse_job=$!
+  start wheelhouse .cache/wheelhouse.log phase "wheelhouse (beside the control venv and the unit tier)" \
+    env REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
 fi
 
 phase "control venv" bash scripts/setup-control.sh
@@ -87,51 +102,46 @@ fetch_test_packages() {
   mv .cache/test-packages.part .cache/test-packages
 }
 if wants container && [ ! -d .cache/test-packages ]; then
-  phase "test packages (.cache/test-packages)" fetch_test_packages >.cache/test-packages.log 2>&1 &
-  test_packages_job=$!
+  start test-packages .cache/test-packages.log phase "test packages (.cache/test-packages)" fetch_test_packages
 fi
 
-if wants unit; then phase "unit tier" tier unit tests/unit -q -rs; fi
-
-if wants local || wants container; then
-  echo "== waiting for the wheelhouse (.cache/wheelhouse.log)"
-  if ! wait "$wheelhouse_job"; then cat .cache/wheelhouse.log; exit 1; fi
-  cat .cache/wheelhouse.log
-fi
-
-# The local tier (its torch and DeepSpeed first: offline, from the wheelhouse) from here on, beside
-# the node images and then the provisioned image's build: it starts as soon as its venv is there.
-if wants local; then
-  local_tier() {
-    [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
-      'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
-    phase "local tier" tier local tests/local -v -rs --durations=5
-  }
-  local_tier >.cache/local-tier.log 2>&1 &
-  local_tier_job=$!
-fi
-
-if wants container; then
-  echo "== waiting for podman and the node images (.cache/node-tools.log)"
-  if ! wait "$node_tools_job"; then cat .cache/node-tools.log; exit 1; fi
-  cat .cache/node-tools.log
-  if [ -n "${test_packages_job:-}" ] && ! wait "$test_packages_job"; then cat .cache/test-packages.log; exit 1; fi
+# The provisioned node image (provision.yml on one node of the bare image, committed), the longest
+# thing before the container tier: it starts as soon as podman, the node images and the wheelhouse
+# are there, beside the unit and local tiers.
+provisioned_image() {
+  await node-tools .cache/node-tools.log >/dev/null
+  await wheelhouse .cache/wheelhouse.log >/dev/null
   for c in 0 1; do
     phase "removing what an earlier, killed run left behind (cluster $c)" env DSC_TEST_CLUSTER=$c .venv/bin/python molecule/cluster.py down
   done
-  # The provisioned node image (provision.yml on one node of the bare image, committed) builds
-  # while the local tier runs: each alone leaves one of two cores idle much of the time.
-  phase "provisioned node image (beside the local tier)" .venv/bin/python molecule/cluster.py image \
-    >.cache/image-build.log 2>&1 &
-  image_job=$!
+  phase "provisioned node image (beside the unit and local tiers)" .venv/bin/python molecule/cluster.py image
+}
+if wants container; then start image .cache/image-build.log provisioned_image; fi
+
+# The local tier: its torch and DeepSpeed first (offline, from the wheelhouse), its tests once the
+# unit tier has passed.
+local_tier() {
+  await wheelhouse .cache/wheelhouse.log >/dev/null
+  [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
+    'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-compile --no-index --find-links .cache/wheelhouse torch deepspeed'
+  if wants unit; then await unit /dev/null; fi
+  phase "local tier" tier local tests/local -v -rs --durations=5
+}
+if wants local; then start local .cache/local-tier.log local_tier; fi
+
+# A failure here ends the script, and with it every job (summary).
+if wants unit; then
+  phase "unit tier" tier unit tests/unit -q -rs
+  echo 0 >.cache/jobs/unit
 fi
 
+if wants local || wants container; then
+  echo "== waiting for the wheelhouse (.cache/wheelhouse.log)"
+  await wheelhouse .cache/wheelhouse.log
+fi
 if wants local; then
   echo "== waiting for the local tier (.cache/local-tier.log)"
-  local_rc=0
-  wait "$local_tier_job" || local_rc=$?
-  cat .cache/local-tier.log
-  [ "$local_rc" -eq 0 ] || exit "$local_rc"
+  await local .cache/local-tier.log
 fi
 
 # container_tier [pytest args]: with no args, the tier's files split between two clusters that run
@@ -157,9 +167,11 @@ container_tier() {
 }
 
 if wants container; then
+  echo "== waiting for podman and the node images (.cache/node-tools.log)"
+  await node-tools .cache/node-tools.log
   echo "== waiting for the provisioned node image (.cache/image-build.log)"
-  if ! wait "$image_job"; then cat .cache/image-build.log; exit 1; fi
-  tail -1 .cache/image-build.log
+  [ -d .cache/test-packages ] || await test-packages .cache/test-packages.log
+  await image .cache/image-build.log
   rm -f .cache/test-figures.jsonl
   phase "container tier" container_tier "$@"
 fi
