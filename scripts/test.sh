@@ -119,8 +119,11 @@ provisioned_image() {
 if wants container; then start image .cache/image-build.log provisioned_image; fi
 
 # The local tier: its torch and DeepSpeed first (offline, from the wheelhouse), its tests once the
-# unit tier has passed.
+# unit tier has passed. At a lower priority (nice 10): the provisioned image's build beside it is
+# what the container tier waits for, and its last tests run beside the container tier's first
+# ones, in the CPU the two clusters leave idle while they wait on their runs.
 local_tier() {
+  renice -n 10 -p "$BASHPID" >/dev/null
   await wheelhouse .cache/wheelhouse.log >/dev/null
   [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
     'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-compile --no-index --find-links .cache/wheelhouse torch deepspeed'
@@ -138,10 +141,6 @@ fi
 if wants local || wants container; then
   echo "== waiting for the wheelhouse (.cache/wheelhouse.log)"
   await wheelhouse .cache/wheelhouse.log
-fi
-if wants local; then
-  echo "== waiting for the local tier (.cache/local-tier.log)"
-  await local .cache/local-tier.log
 fi
 
 # container_tier [pytest args]: with no args, the tier's files split between two clusters that run
@@ -173,5 +172,12 @@ if wants container; then
   [ -d .cache/test-packages ] || await test-packages .cache/test-packages.log
   await image .cache/image-build.log
   rm -f .cache/test-figures.jsonl
-  phase "container tier" container_tier "$@"
+  phase "container tier" container_tier "$@" &
+  container_job=$!
 fi
+# A failing local tier ends the script here, and the container tier with it (summary).
+if wants local; then
+  echo "== waiting for the local tier (.cache/local-tier.log)"
+  await local .cache/local-tier.log
+fi
+if wants container; then wait "$container_job"; fi
