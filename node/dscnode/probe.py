@@ -1,6 +1,7 @@
 """What the plan needs from a node, fast (no Python env, no torch) and read-only: GPUs,
-interfaces, InfiniBand, CPUs, the runs, the firewall, the installed helper's sha256 and every path
-root creates or writes into, each read with lstat. Ansible's script module pushes the built file
+interfaces, InfiniBand, CPUs, the runs, the firewall, the installed helper's sha256, the node
+lock's and the wheelhouse copy's digests, and every path root creates or writes into, each read
+with lstat. Ansible's script module pushes the built file
 and runs it before anything is installed (roles/plan)."""
 import glob
 import hashlib
@@ -21,6 +22,46 @@ def sha256(path):
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+def _regular_file_sha256(path):
+    """A regular file's sha256, opened without following a link (the probe runs as root, in
+    directories the training user writes); None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def tree_digest(folder):
+    """What rsync compares (every regular file's path, size and whole-second mtime), as one
+    sha256; None where the folder is missing or a link. Links inside are neither followed nor
+    counted. The control node computes it for dsc_wheelhouse, the probe for the node's copy:
+    equal, the push has nothing to send."""
+    if not os.path.isdir(folder) or os.path.islink(folder):
+        return None
+    h = hashlib.sha256()
+    for top, _dirs, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            st = os.lstat(os.path.join(top, name))
+            if stat_mod.S_ISREG(st.st_mode):
+                rel = os.path.relpath(os.path.join(top, name), folder)
+                h.update(f"{rel}\0{st.st_size}\0{int(st.st_mtime)}\n".encode())
+    return h.hexdigest()
+
+
+# What provision puts into the install root, as the probe finds it: the node lock's two files
+# (roles/pytorch) and the wheelhouse's copy. The plan compares them with what it would put there.
+LOCK_FILES = {"wheels": "lock-wheels.txt", "sdists": "lock-sdists.txt"}
+
+
+def installed(install_root):
+    return {"lock": {kind: _regular_file_sha256(os.path.join(install_root, name)) for kind, name in LOCK_FILES.items()},
+            "wheelhouse": tree_digest(os.path.join(install_root, "wheelhouse"))}
 
 
 def interfaces():
@@ -60,8 +101,8 @@ def root_paths(install_root, run_root, data_dir, home):
            {"var": "dsc_install_root", "path": install_root, "role": "made"}]
     out += [{"var": "dsc_install_root", "path": p, "role": "user"} for p in (
         cache, f"{cache}/torch_extensions", f"{cache}/miniconda-installer.sh",
-        f"{install_root}/wheelhouse", f"{install_root}/lock-wheels.txt",
-        f"{install_root}/lock-sdists.txt", f"{install_root}/ds_report.txt")]
+        f"{install_root}/wheelhouse", *(f"{install_root}/{name}" for name in LOCK_FILES.values()),
+        f"{install_root}/ds_report.txt")]
     if run_root:
         out.append({"var": "dsc_run_root", "path": run_root.rstrip("/") or "/", "role": "user"})
     if data_dir:
@@ -122,8 +163,8 @@ def probe(run_root="", existing="", install_root="", data_dir="", train_user="")
             "run_root_links": links(run_root) if run_root else [],
             "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(),
             **({"existing_python": path_owners(existing)} if existing else {}),
-            **({"root_paths": root_path_report(install_root, run_root, data_dir,
-                                               train_user)} if install_root else {})}
+            **({"root_paths": root_path_report(install_root, run_root, data_dir, train_user),
+                "installed": installed(install_root)} if install_root else {})}
 
 
 def path_owners(path):

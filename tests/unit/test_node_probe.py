@@ -138,3 +138,28 @@ def test_the_preflight_listener_counts_connections_and_goes_at_a_release():
     listener.join(10)
     assert not listener.is_alive() and time.time() - t0 < 5
     assert out == {"port": port, "seen": ["127.0.0.1"]}
+
+
+def test_tree_digest_is_what_rsync_compares_and_never_follows_a_link(tmp_path):
+    """Two folders with the same files (path, size, whole-second mtime) have one digest; a file's
+    size or time, or a file more, changes it; links inside are neither followed nor counted, and a
+    folder that is a link has none."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        (d / "sub").mkdir(parents=True)
+        (d / "x.whl").write_text("wheel")
+        (d / "sub" / "y").write_text("y")
+        for f in (d / "x.whl", d / "sub" / "y"):
+            os.utime(f, (1_700_000_000.4, 1_700_000_000.4))
+    assert probe.tree_digest(str(a)) == probe.tree_digest(str(b)) is not None
+    os.utime(b / "sub" / "y", (1_700_000_000.9, 1_700_000_000.9))  # the same whole second
+    assert probe.tree_digest(str(a)) == probe.tree_digest(str(b))
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "big").write_text("secret")
+    (b / "in").symlink_to(tmp_path / "outside")
+    (b / "f").symlink_to(tmp_path / "outside" / "big")
+    assert probe.tree_digest(str(a)) == probe.tree_digest(str(b))
+    os.utime(b / "x.whl", (1_700_000_001, 1_700_000_001))
+    assert probe.tree_digest(str(a)) != probe.tree_digest(str(b))
+    (tmp_path / "link").symlink_to(a)
+    assert probe.tree_digest(str(tmp_path / "link")) is None and probe.tree_digest(str(tmp_path / "none")) is None

@@ -4,9 +4,13 @@ archives), and the pip sources (a plain-HTTP index only with a lock).
 
     .venv/bin/pytest tests/unit/test_plan_packages.py -q
 """
+import os
+
 import pytest
 
-from tests.unit.plan_helpers import plan
+import dscplan
+from dscnode.probe import installed
+from tests.unit.plan_helpers import DEFAULTS, PATHS, cluster, plan
 
 
 def wheelhouse(tmp_path, *files):
@@ -92,3 +96,48 @@ def test_a_node_lock_from_an_index_splits_wheels_from_source_packages(tmp_path):
 def test_bad_node_lock_and_index_are_refused(var, value, message):
     errors = plan(**{var: value})[1]
     assert any(f"{var} on host node1" in e and message in e for e in errors), errors
+
+
+def test_a_node_holding_the_lock_and_the_wheelhouse_is_sent_neither(tmp_path):
+    """Provision sends the lock's files and the wheelhouse only where the probe found them other
+    than it would put them (dscnode.probe.installed, on a real folder here, against the control
+    node's wheelhouse): a provision that changes nothing sends nothing."""
+    h = "0" * 64
+    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl")
+    (tmp_path / "wheels" / "requirements.lock").write_text(
+        f"torch==2.13.0+cpu --hash=sha256:{h}\ndeepspeed==0.19.8 --hash=sha256:{h}\n")
+    node_root = tmp_path / "node"
+    (node_root / "wheelhouse").mkdir(parents=True)
+    for f in (tmp_path / "wheels").iterdir():  # as rsync -t leaves them: same size and time
+        (node_root / "wheelhouse" / f.name).write_bytes(f.read_bytes())
+        os.utime(node_root / "wheelhouse" / f.name, (f.stat().st_mtime, f.stat().st_mtime))
+    p0, _ = plan(dsc_wheelhouse=wh, dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
+    (node_root / "lock-wheels.txt").write_text("\n".join(p0["lock"]["wheels"]) + "\n")
+    (node_root / "lock-sdists.txt").write_text("\n")
+
+    def node1(**settings):
+        hostvars, groups, probes = cluster(dsc_wheelhouse=wh, dsc_torch_version="2.13.0",
+                                           dsc_deepspeed_version="0.19.8", **settings)
+        probes["node1"]["installed"] = installed(str(node_root))
+        p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+        assert errors == []
+        return {k: p["node"]["node1"][k] for k in ("lock_current", "wheelhouse_current")}, p["node"]["node2"]
+
+    here, other = node1()
+    assert here == {"lock_current": True, "wheelhouse_current": True}
+    # node2's probe reported nothing installed: both are sent there
+    assert (other["lock_current"], other["wheelhouse_current"]) == (False, False)
+    # a wheel changed on the control node (size), one gone from the node, a lock line changed
+    (tmp_path / "wheels" / "transformers-4.57.6-py3-none-any.whl").write_text("x")
+    assert node1()[0] == {"lock_current": True, "wheelhouse_current": False}
+    (node_root / "wheelhouse" / "transformers-4.57.6-py3-none-any.whl").write_text("x")
+    os.utime(node_root / "wheelhouse" / "transformers-4.57.6-py3-none-any.whl",
+             (os.stat(tmp_path / "wheels" / "transformers-4.57.6-py3-none-any.whl").st_mtime,) * 2)
+    assert node1()[0]["wheelhouse_current"] is True
+    (node_root / "lock-sdists.txt").write_text("setuptools==80.9.0\n")
+    assert node1()[0] == {"lock_current": False, "wheelhouse_current": True}
+    # a link where the lock file should be is never read through (the probe runs as root)
+    (node_root / "lock-sdists.txt").unlink()
+    (tmp_path / "elsewhere").write_text("\n")
+    (node_root / "lock-sdists.txt").symlink_to(tmp_path / "elsewhere")
+    assert installed(str(node_root))["lock"]["sdists"] is None and node1()[0]["lock_current"] is False

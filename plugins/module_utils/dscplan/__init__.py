@@ -27,9 +27,10 @@ import os
 from dataclasses import asdict
 
 from dscnode import INSTALLED_PATH
+from dscnode.probe import tree_digest
 
 from .deepspeed_config import batch, ds_config, precision, presets
-from .packages import _lock, _requirements, existing_owner, node_helper, pip_sources
+from .packages import _lock, _requirements, already_there, existing_owner, node_helper, pip_sources
 from .problems import Problems
 from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan
 from .rendered import _env_paths, code_archive, parse_ds_env, parse_hostfile
@@ -148,6 +149,9 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
     accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, cache_dir, secrets)
     manager = s["dsc_env_manager"]
     wheelhouse = str(s["dsc_wheelhouse"] or "")
+    wheelhouse_digest = tree_digest(wheelhouse) if wheelhouse else None
+    for n in nodes:
+        n.update(already_there(probes.get(n["name"]), lock, wheelhouse_digest))
     return Plan(
         cluster_name=str(s["dsc_cluster_name"]),
         nodes=nodes, node={n["name"]: n for n in nodes},

@@ -2,6 +2,7 @@
 and the pip sources, and who owns an existing interpreter."""
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import re
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from dscnode import INSTALLED_PATH
 from dscnode.build import build
+from dscnode.probe import LOCK_FILES
 
 # Packages installed with torch, from the same CUDA-variant index (dsc_requirements).
 TORCH_FAMILY = ("torchvision", "torchaudio")
@@ -155,6 +157,19 @@ def pip_sources(wheelhouse, index, torch_index):
     return {"pip_source_args": source,
             "pip_lock_args": " ".join(filter(None, [source, torch_index and f"--extra-index-url {torch_index}"])),
             "pip_torch_args": f"--index-url {torch_index}" if torch_index else source}
+
+
+def already_there(probe, lock, wheelhouse_digest):
+    """{lock_current, wheelhouse_current}: whether a node holds the lock's files and the
+    wheelhouse's copy exactly as provision would put them there (the probe's `installed`,
+    dscnode.probe), so that provision sends neither (roles/pytorch). `wheelhouse_digest`:
+    dscnode.probe.tree_digest of dsc_wheelhouse on the control node, None without one."""
+    have = (probe or {}).get("installed") or {}
+    lock_current = bool(lock) and all(
+        (have.get("lock") or {}).get(kind) == hashlib.sha256(("\n".join(lock[kind]) + "\n").encode()).hexdigest()
+        for kind in LOCK_FILES)
+    return {"lock_current": lock_current,
+            "wheelhouse_current": wheelhouse_digest is not None and have.get("wheelhouse") == wheelhouse_digest}
 
 
 def _lock(s, texts, where, problems, check_dir):

@@ -11,7 +11,7 @@ class Plan:
     asdict() of it). Its fields are the keys roles/, playbooks/ and templates/ may read; a unit
     test fails on a `dsc_plan.<key>` there that is not one of them, and on a field none reads."""
     cluster_name: str
-    nodes: list[dict]  # a record per node in rank order (_nodes): name, rank, addr, slots, gpus, iface, probe_error, ...
+    nodes: list[dict]  # a record per node in rank order (_nodes): name, rank, addr, slots, gpus, iface, probe_error, lock_current, wheelhouse_current, ...
     node: dict[str, dict]  # the same records by inventory name
     node_names: list[str]  # in rank order, the master first
     addrs: list[str]  # the training addresses, in rank order
