@@ -52,7 +52,7 @@ def one_size(n, image):
 def line(sizes, seconds):
     """(fixed, per node) of the least-squares line through (nodes, seconds)."""
     mx, my = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
-    per = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sum((x - mx) ** 2 for x in sizes)
+    per = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True)) / sum((x - mx) ** 2 for x in sizes)
     return my - per * mx, per
 
 
