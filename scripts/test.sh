@@ -119,11 +119,10 @@ provisioned_image() {
 if wants container; then start image .cache/image-build.log provisioned_image; fi
 
 # The local tier: its torch and DeepSpeed first (offline, from the wheelhouse), its tests once the
-# unit tier has passed. At a lower priority (nice 10): the provisioned image's build beside it is
-# what the container tier waits for, and its last tests run beside the container tier's first
-# ones, in the CPU the two clusters leave idle while they wait on their runs.
+# unit tier has passed, beside the provisioned image's build. (Not at a lower priority, nor beside
+# the container tier: nice does not reach the nodes' processes, which run in the containers'
+# own cgroups, and tried so, the container tier's first tests took twice as long.)
 local_tier() {
-  renice -n 10 -p "$BASHPID" >/dev/null
   await wheelhouse .cache/wheelhouse.log >/dev/null
   [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
     'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-compile --no-index --find-links .cache/wheelhouse torch deepspeed'
@@ -168,16 +167,15 @@ container_tier() {
 if wants container; then
   echo "== waiting for podman and the node images (.cache/node-tools.log)"
   await node-tools .cache/node-tools.log
-  echo "== waiting for the provisioned node image (.cache/image-build.log)"
   [ -d .cache/test-packages ] || await test-packages .cache/test-packages.log
-  await image .cache/image-build.log
-  rm -f .cache/test-figures.jsonl
-  phase "container tier" container_tier "$@" &
-  container_job=$!
 fi
-# A failing local tier ends the script here, and the container tier with it (summary).
 if wants local; then
   echo "== waiting for the local tier (.cache/local-tier.log)"
   await local .cache/local-tier.log
 fi
-if wants container; then wait "$container_job"; fi
+if wants container; then
+  echo "== waiting for the provisioned node image (.cache/image-build.log)"
+  await image .cache/image-build.log
+  rm -f .cache/test-figures.jsonl
+  phase "container tier" container_tier "$@"
+fi
