@@ -125,7 +125,7 @@ if wants container; then start image .cache/image-build.log provisioned_image; f
 local_tier() {
   await wheelhouse .cache/wheelhouse.log >/dev/null
   [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
-    'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-compile --no-index --find-links .cache/wheelhouse torch deepspeed'
+    'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
   if wants unit; then await unit /dev/null; fi
   phase "local tier" tier local tests/local -v -rs --durations=5
 }
