@@ -18,14 +18,7 @@ from dscnode.records import runs
 
 
 def sha256(path):
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
-def _regular_file_sha256(path):
-    """A regular file's sha256, opened without following a link (the probe runs as root, in
+    """A regular file's sha256, opened without following a link (the probe runs as root, also in
     directories the training user writes); None for anything else."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -57,11 +50,12 @@ def tree_digest(folder):
 # What provision puts into the install root, as the probe finds it: the node lock's two files
 # (roles/pytorch) and the wheelhouse's copy. The plan compares them with what it would put there.
 LOCK_FILES = {"wheels": "lock-wheels.txt", "sdists": "lock-sdists.txt"}
+WHEELHOUSE_DIR = "wheelhouse"
 
 
 def installed(install_root):
-    return {"lock": {kind: _regular_file_sha256(os.path.join(install_root, name)) for kind, name in LOCK_FILES.items()},
-            "wheelhouse": tree_digest(os.path.join(install_root, "wheelhouse"))}
+    return {"lock": {kind: sha256(os.path.join(install_root, name)) for kind, name in LOCK_FILES.items()},
+            "wheelhouse": tree_digest(os.path.join(install_root, WHEELHOUSE_DIR))}
 
 
 def interfaces():
@@ -101,7 +95,7 @@ def root_paths(install_root, run_root, data_dir, home):
            {"var": "dsc_install_root", "path": install_root, "role": "made"}]
     out += [{"var": "dsc_install_root", "path": p, "role": "user"} for p in (
         cache, f"{cache}/torch_extensions", f"{cache}/miniconda-installer.sh",
-        f"{install_root}/wheelhouse", *(f"{install_root}/{name}" for name in LOCK_FILES.values()),
+        f"{install_root}/{WHEELHOUSE_DIR}", *(f"{install_root}/{name}" for name in LOCK_FILES.values()),
         f"{install_root}/ds_report.txt")]
     if run_root:
         out.append({"var": "dsc_run_root", "path": run_root.rstrip("/") or "/", "role": "user"})

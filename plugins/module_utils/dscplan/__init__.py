@@ -27,7 +27,7 @@ import os
 from dataclasses import asdict
 
 from dscnode import INSTALLED_PATH
-from dscnode.probe import tree_digest
+from dscnode.probe import WHEELHOUSE_DIR, tree_digest
 
 from .deepspeed_config import batch, ds_config, precision, presets
 from .packages import _lock, _requirements, already_there, existing_owner, node_helper, pip_sources
@@ -148,7 +148,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
     cache_dir = f"{install_root}/cache"
     accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, cache_dir, secrets)
     manager = s["dsc_env_manager"]
-    wheelhouse = str(s["dsc_wheelhouse"] or "")
+    wheelhouse, node_wheelhouse = str(s["dsc_wheelhouse"] or ""), f"{install_root}/{WHEELHOUSE_DIR}"
     wheelhouse_digest = tree_digest(wheelhouse) if wheelhouse else None
     for n in nodes:
         n.update(already_there(probes.get(n["name"]), lock, wheelhouse_digest))
@@ -179,10 +179,10 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         conda_installer_file=str(s["dsc_conda_installer_file"] or ""),
         conda_installer_sha256=str(s["dsc_conda_installer_sha256"] or ""),
         conda_accept_tos=as_bool(s["dsc_conda_accept_tos"]),
-        wheelhouse=wheelhouse, node_wheelhouse=f"{install_root}/wheelhouse",
+        wheelhouse=wheelhouse, node_wheelhouse=node_wheelhouse,
         torch_requirements=torch_requirements, requirements=requirements,
         data_dir=data["dir"], data_shared=data["shared"], secret_names=secrets,
-        **pip_sources(f"{install_root}/wheelhouse" if wheelhouse else "", str(s["dsc_pip_index_url"] or ""),
+        **pip_sources(node_wheelhouse if wheelhouse else "", str(s["dsc_pip_index_url"] or ""),
                       TORCH_INDEXES.get(s["dsc_torch_variant"], "")),
         lock=lock or {}, locked=bool(lock),
         master_port_first=int(s["dsc_master_port"]),
