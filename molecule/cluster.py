@@ -40,6 +40,7 @@ PREFIX = f"dsc{SUFFIX}-"
 # Where provision.yml installs the node helper, and the default run root.
 HELPER = "/usr/local/lib/dscluster/dsc_node.pyz"
 RUNS = "/opt/dscluster/runs"
+EXT_DIR = "/opt/dscluster/cache/torch_extensions"  # the JIT op cache (TORCH_EXTENSIONS_DIR)
 OUTSIDER = PREFIX + "outsider"
 # train.run's settings for a tiny run that a test ends itself (a stop, a fault, a second launch):
 # it steps at most ten times a second (train.run's min_step_s), so that while the test looks at

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 
-from cluster import OUTSIDER, OUTSIDER_IP, PINS, ROOT, TEST_PACKAGES, lock_pins
+from cluster import EXT_DIR, OUTSIDER, OUTSIDER_IP, PINS, ROOT, TEST_PACKAGES, lock_pins
 
 
 def test_version_table_has_a_row_per_node(provisioned, cluster):
@@ -35,18 +35,29 @@ def test_env_is_identical_and_owned_by_the_training_user(provisioned, cluster):
 
 
 def test_ds_report_kept_and_jit_cache_warm(provisioned, cluster):
+    libs = {}
     for name in cluster.names:
         host = cluster.host(name)
         report = host.file("/opt/dscluster/ds_report.txt")
         assert report.exists and "DeepSpeed general environment info" in report.content_string
-        so = host.run("find /opt/dscluster/cache/torch_extensions -name '*.so'").stdout.split()
-        assert any("shm_comm" in p for p in so), so
-        assert any("fused_adam" in p for p in so), so
-    # Built once, on the image's node; the cluster's provision found them built on every node.
-    warm = "TASK [deepspeed : Warm the JIT op cache"
-    assert f"changed: [{cluster.master}]" in provisioned["bare"].split(warm)[1].split("TASK [")[0]
-    task = provisioned["cluster"].split(warm)[1].split("TASK [")[0]
-    assert all(f"ok: [{n}]" in task for n in cluster.names) and "changed:" not in task, task
+        out = host.run(f"cd {EXT_DIR} && stat -c '%n %Y' */*.so").stdout
+        libs[name] = dict(line.split() for line in out.splitlines())
+        assert any("shm_comm" in p for p in libs[name]) and any("fused_adam" in p for p in libs[name]), libs
+    # Built once, on the image's node; in the cluster's provision node1 found them built and the
+    # others (their cache emptied by the fixture) got node1's build, loaded without a build: the
+    # same libraries with the same times, and no warm-up changed anything.
+    def task(out, name):
+        return out.split(f"TASK [deepspeed : {name}")[1].split("TASK [")[0]
+    assert f"changed: [{cluster.master}]" in task(provisioned["bare"], "Warm the JIT op cache")
+    first = task(provisioned["cluster"], "Warm the JIT op cache")
+    assert all(f"ok: [{n}]" in first for n in cluster.names) and "changed:" not in first, first
+    others = cluster.names[1:]
+    assert f"changed: [{cluster.master}]" in task(provisioned["cluster"], "Pack the ops on each kind's source node")
+    unpacked = task(provisioned["cluster"], "Unpack the source's ops on the nodes that await them")
+    assert all(f"changed: [{n}]" in unpacked for n in others) and f"skipping: [{cluster.master}]" in unpacked, unpacked
+    shipped = task(provisioned["cluster"], "Warm the shipped ops")
+    assert all(f"ok: [{n}]" in shipped for n in others) and "changed:" not in shipped, shipped
+    assert all(libs[n] == libs[cluster.master] for n in others), libs
 
 
 def test_base_packages_installed(provisioned, cluster):

@@ -36,6 +36,10 @@ built file). Every command prints one JSON object.
     dsc_node.pyz free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.pyz active RUN_ROOT               # the run whose supervisor is alive, if any
     dsc_node.pyz write-secrets RUN_DIR         # stdin {NAME: value}: the run's secrets, 0600, outside the run dir
+    dsc_node.pyz warm --ops A,B --report FILE --gpus N [--build]
+                                               # provision, in the env's python as the training user:
+                                               # what torch sees, DeepSpeed's ops warmed (or left for
+                                               # the kind's source to ship, without --build), versions
     dsc_node.pyz entry --script FILE | --module NAME [ARGS...]
                                                # each rank: the run's secrets into the environment,
                                                # DeepSpeed's engine watched for progress, then the
@@ -150,16 +154,24 @@ def parser():
     p = action("free-port", _free_port, "the first port nobody listens on (exit 3 if none)")
     p.add_argument("first", type=int)
     p.add_argument("last", type=int)
-    p = action("active", _active, "the run whose supervisor is alive, if any")
-    p.add_argument("run_root")
-    p = action("write-secrets", _write_secrets, "stdin {NAME: value}: the run's secrets, 0600, beside it")
-    p.add_argument("run_dir")
+    action("active", _active, "the run whose supervisor is alive, if any").add_argument("run_root")
+    action("write-secrets", _write_secrets, "stdin {NAME: value}: the run's secrets, 0600, beside it").add_argument("run_dir")
+    p = action("warm", _warm, "what torch sees, DeepSpeed's ops warmed, the versions (the env's python)")
+    for option in ("--ops", "--report"):
+        p.add_argument(option, default="")
+    p.add_argument("--gpus", type=int, default=0)
+    p.add_argument("--build", action="store_true")
     action("entry", None, "each rank: --script FILE | --module NAME [ARGS...] (read by the shim itself)")
     return top
 
 
 def hosts(text):
     return [h for h in text.split(",") if h]
+
+
+def _warm(a):
+    from dscnode.warm import warm
+    print(json.dumps(warm([o for o in a.ops.split(",") if o], a.report, a.gpus, a.build)))
 
 
 def _probe(a):

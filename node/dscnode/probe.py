@@ -6,6 +6,7 @@ and runs it before anything is installed (roles/plan)."""
 import glob
 import hashlib
 import os
+import platform
 import pwd
 import re
 import socket
@@ -51,11 +52,57 @@ def tree_digest(folder):
 # (roles/pytorch) and the wheelhouse's copy. The plan compares them with what it would put there.
 LOCK_FILES = {"wheels": "lock-wheels.txt", "sdists": "lock-sdists.txt"}
 WHEELHOUSE_DIR = "wheelhouse"
+EXT_DIR = "cache/torch_extensions"  # the JIT op cache, TORCH_EXTENSIONS_DIR
+
+
+def built_ops(ext_dir):
+    """The JIT cache's ops with a built library (<op>/<op>.so, a regular file; links neither
+    followed nor counted): what the plan weighs when it picks the node that builds for its kind."""
+    try:
+        names = sorted(os.listdir(ext_dir)) if not os.path.islink(ext_dir) else []
+    except OSError:
+        return []
+    return [n for n in names if stat_mod.S_ISDIR(_lstat_mode(os.path.join(ext_dir, n)))
+            and stat_mod.S_ISREG(_lstat_mode(os.path.join(ext_dir, n, f"{n}.so")))]
+
+
+def _lstat_mode(path):
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
 
 
 def installed(install_root):
     return {"lock": {kind: sha256(os.path.join(install_root, name)) for kind, name in LOCK_FILES.items()},
-            "wheelhouse": tree_digest(os.path.join(install_root, WHEELHOUSE_DIR))}
+            "wheelhouse": tree_digest(os.path.join(install_root, WHEELHOUSE_DIR)),
+            "ops": built_ops(os.path.join(install_root, EXT_DIR))}
+
+
+def ssh_host_keys(folder="/etc/ssh"):
+    """This node's SSH host public keys ("type base64", ed25519 first), for the master's
+    known_hosts; a file that is missing or not of that form is left out."""
+    keys = []
+    for kind in ("ed25519", "ecdsa", "rsa"):
+        try:
+            fields = open(os.path.join(folder, f"ssh_host_{kind}_key.pub")).read().split()[:2]
+        except OSError:
+            continue
+        if len(fields) == 2 and re.fullmatch(r"[a-z0-9@.-]+", fields[0]) and re.fullmatch(r"[A-Za-z0-9+/]+={0,3}", fields[1]):
+            keys.append(" ".join(fields))
+    return keys
+
+
+def cpu_identity(cpuinfo="/proc/cpuinfo"):
+    """What code compiled on this node for its CPU depends on (DeepSpeed's CPU ops take
+    -march=native): the machine, and the first processor's model and flags, as one short digest."""
+    try:
+        first = open(cpuinfo).read().split("\n\n")[0]
+    except OSError:
+        first = ""
+    keep = [line.split(":", 1)[1].strip() for line in first.splitlines()
+            if line.split(":", 1)[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return hashlib.sha256("\0".join([platform.machine(), *keep]).encode()).hexdigest()[:16]
 
 
 def interfaces():
@@ -94,7 +141,7 @@ def root_paths(install_root, run_root, data_dir, home):
            {"var": "node helper", "path": INSTALLED_PATH, "role": "root"},
            {"var": "dsc_install_root", "path": install_root, "role": "made"}]
     out += [{"var": "dsc_install_root", "path": p, "role": "user"} for p in (
-        cache, f"{cache}/torch_extensions", f"{cache}/miniconda-installer.sh",
+        cache, f"{install_root}/{EXT_DIR}", f"{cache}/miniconda-installer.sh",
         f"{install_root}/{WHEELHOUSE_DIR}", *(f"{install_root}/{name}" for name in LOCK_FILES.values()),
         f"{install_root}/ds_report.txt")]
     if run_root:
@@ -151,11 +198,11 @@ def root_path_report(install_root, run_root, data_dir, train_user):
 def probe(run_root="", existing="", install_root="", data_dir="", train_user=""):
     """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
     ib = Path("/sys/class/infiniband")
-    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "gpus": gpus(),
+    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "cpu": cpu_identity(), "gpus": gpus(),
             "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
             "runs": runs(run_root) if run_root else [],
             "run_root_links": links(run_root) if run_root else [],
-            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(),
+            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(), "ssh_host_keys": ssh_host_keys(),
             **({"existing_python": path_owners(existing)} if existing else {}),
             **({"root_paths": root_path_report(install_root, run_root, data_dir, train_user),
                 "installed": installed(install_root)} if install_root else {})}

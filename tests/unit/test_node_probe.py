@@ -163,3 +163,34 @@ def test_tree_digest_is_what_rsync_compares_and_never_follows_a_link(tmp_path):
     assert probe.tree_digest(str(a)) != probe.tree_digest(str(b))
     (tmp_path / "link").symlink_to(a)
     assert probe.tree_digest(str(tmp_path / "link")) is None and probe.tree_digest(str(tmp_path / "none")) is None
+
+
+def test_the_probe_names_the_ops_built_its_cpu_and_its_ssh_host_keys(tmp_path):
+    """What the plan picks each kind's op source by (built ops, the CPU) and what the master's
+    known_hosts pins (the host keys), from real files: a link is neither followed nor counted, a
+    malformed key is left out."""
+    ext = tmp_path / "torch_extensions"
+    for op, so in (("fused_adam", "fused_adam.so"), ("cpu_adam", "other.so"), ("shm", None)):
+        (ext / op).mkdir(parents=True)
+        if so:
+            (ext / op / so).write_bytes(b"\x7fELF")
+    (tmp_path / "elsewhere" / "linked").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "linked" / "linked.so").write_bytes(b"\x7fELF")
+    (ext / "linked").symlink_to(tmp_path / "elsewhere" / "linked")
+    (ext / "cpuinfo.json").write_text("{}")
+    assert probe.built_ops(str(ext)) == ["fused_adam"]
+    assert probe.built_ops(str(tmp_path / "missing")) == []
+
+    def cpu(model, flags):
+        f = tmp_path / "cpuinfo"
+        f.write_text(f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\ncpu MHz\t\t: {len(flags)}\n\n"
+                     f"processor\t: 1\nmodel name\t: other\n")
+        return probe.cpu_identity(str(f))
+    assert cpu("EPYC 9654", "avx2 avx512f") == cpu("EPYC 9654", "avx2 avx512f")
+    assert cpu("EPYC 9654", "avx2") != cpu("EPYC 9654", "avx2 avx512f") != cpu("Xeon 8480", "avx2 avx512f")
+
+    ssh = tmp_path / "ssh"
+    ssh.mkdir()
+    (ssh / "ssh_host_ed25519_key.pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIP4H root@node1\n")
+    (ssh / "ssh_host_ecdsa_key.pub").write_text("ecdsa-sha2-nistp256 AAAA$(reboot)\n")
+    assert probe.ssh_host_keys(str(ssh)) == ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIP4H"]

@@ -141,3 +141,39 @@ def test_a_node_holding_the_lock_and_the_wheelhouse_is_sent_neither(tmp_path):
     (tmp_path / "elsewhere").write_text("\n")
     (node_root / "lock-sdists.txt").symlink_to(tmp_path / "elsewhere")
     assert installed(str(node_root))["lock"]["sdists"] is None and node1()[0]["lock_current"] is False
+
+
+def test_each_kind_of_node_builds_its_ops_once_on_the_node_that_has_most_of_them(tmp_path):
+    """The plan's node[].ops_kind and ops_source (roles/deepspeed ships the source's build to the
+    others of its kind): the kind follows the CPU (the probe's digest of it) and the GPUs' compute
+    capability; the source is the node of its kind with the most ops built (the probe's
+    `installed.ops`, read from real folders here), the first in rank order on a tie."""
+    root = tmp_path / "node"
+    for op in ("fused_adam", "cpu_adam"):
+        (root / "cache" / "torch_extensions" / op).mkdir(parents=True)
+        (root / "cache" / "torch_extensions" / op / f"{op}.so").write_bytes(b"\x7fELF")
+
+    def kinds(cpus, caps=("9.0",) * 4, built=()):
+        hostvars, groups, probes = cluster(n=len(cpus))
+        for i, (name, p) in enumerate(probes.items()):
+            p.update(cpu=cpus[i], gpus=[{"index": "0", "compute_cap": caps[i], "driver": "580.1"}],
+                     installed={"ops": installed(str(root))["ops"] if name in built else []})
+        p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+        assert errors == []
+        return [(p["node"][n]["ops_kind"], p["node"][n]["ops_source"]) for n in groups["cluster"]]
+
+    same = kinds(["a"] * 4)
+    assert len({k for k, _ in same}) == 1 and {s for _, s in same} == {"node1"}
+    # node3 has them built: it builds (loads) and ships to the others
+    assert {s for _, s in kinds(["a"] * 4, built=("node3",))} == {"node3"}
+    # another CPU, or another GPU arch: a kind of its own, its own source
+    two = kinds(["a", "b", "a", "b"])
+    assert two[0][0] != two[1][0] and [s for _, s in two] == ["node1", "node2", "node1", "node2"]
+    arch = kinds(["a"] * 4, caps=("9.0", "9.0", "8.0", "8.0"))
+    assert [s for _, s in arch] == ["node1", "node1", "node3", "node3"]
+    # versions are part of the kind: the same nodes with another DeepSpeed make other kinds
+    hostvars, groups, probes = cluster(n=1, dsc_deepspeed_version="0.19.7")
+    p, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+    hostvars, groups, probes = cluster(n=1)
+    q, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+    assert p["node"]["node1"]["ops_kind"] != q["node"]["node1"]["ops_kind"]

@@ -27,10 +27,10 @@ import os
 from dataclasses import asdict
 
 from dscnode import INSTALLED_PATH
-from dscnode.probe import WHEELHOUSE_DIR, tree_digest
+from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 
 from .deepspeed_config import batch, ds_config, precision, presets
-from .packages import _lock, _requirements, already_there, existing_owner, node_helper, pip_sources
+from .packages import _lock, _requirements, already_there, existing_owner, node_helper, op_sources, pip_sources
 from .problems import Problems
 from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan
 from .rendered import _env_paths, code_archive, parse_ds_env, parse_hostfile
@@ -117,7 +117,7 @@ def _existing_env_owner(s, nodes, probes, problems):
     return env_owner
 
 
-def _node_and_rank_env(s, nodes, prefix, cache_dir, secrets):
+def _node_and_rank_env(s, nodes, prefix, install_root, secrets):
     """(accelerator, compute capabilities, node_env, rank_env) for the nodes the plan holds."""
     accelerator = "cuda" if all(n["gpus"] > 0 for n in nodes) else "cpu"
     caps = sorted({c for n in nodes for c in n["compute_caps"]})
@@ -125,8 +125,8 @@ def _node_and_rank_env(s, nodes, prefix, cache_dir, secrets):
     # env's PATH, the accelerator, node-local caches (JIT builds race on a shared filesystem),
     # and the arch list read from the GPUs (an image's "9.0a" breaks DeepSpeed's op builder).
     node_env = {"PATH": f"{prefix}/bin:{SYSTEM_PATH}", "DS_ACCELERATOR": accelerator,
-                "TORCH_EXTENSIONS_DIR": f"{cache_dir}/torch_extensions",
-                "TRITON_CACHE_DIR": f"{cache_dir}/triton"}
+                "TORCH_EXTENSIONS_DIR": f"{install_root}/{EXT_DIR}",
+                "TRITON_CACHE_DIR": f"{install_root}/cache/triton"}
     if caps:
         node_env["TORCH_CUDA_ARCH_LIST"] = ";".join(caps)
     ifaces = ",".join(dict.fromkeys(n["iface"] for n in nodes))
@@ -146,12 +146,14 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
     prefix, python = _env_paths(s, install_root)
     cache_dir = f"{install_root}/cache"
-    accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, cache_dir, secrets)
+    accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, install_root, secrets)
     manager = s["dsc_env_manager"]
     wheelhouse, node_wheelhouse = str(s["dsc_wheelhouse"] or ""), f"{install_root}/{WHEELHOUSE_DIR}"
     wheelhouse_digest = tree_digest(wheelhouse) if wheelhouse else None
     for n in nodes:
         n.update(already_there(probes.get(n["name"]), lock, wheelhouse_digest))
+    op_sources(nodes, probes, [accelerator, prefix, str(s["dsc_python_version"]), str(s["dsc_torch_version"]),
+                               str(s["dsc_torch_variant"]), str(s["dsc_deepspeed_version"]), node_env.get("TORCH_CUDA_ARCH_LIST", "")])
     return Plan(
         cluster_name=str(s["dsc_cluster_name"]),
         nodes=nodes, node={n["name"]: n for n in nodes},

@@ -172,6 +172,21 @@ def already_there(probe, lock, wheelhouse_digest):
             "wheelhouse_current": wheelhouse_digest is not None and have.get("wheelhouse") == wheelhouse_digest}
 
 
+def op_sources(nodes, probes, build):
+    """Each node's ops_kind (what DeepSpeed's JIT-built ops depend on: the CPU, the GPUs' compute
+    capabilities and `build`, the env and versions every node shares) and ops_source: the node of
+    its kind that builds them (the first with the most already built) and ships them to the
+    others (roles/deepspeed), so that no node compiles what another has built."""
+    kinds = {}
+    for n in nodes:
+        probe = probes.get(n["name"]) or {}
+        identity = [probe.get("cpu") or n["name"], ",".join(sorted(n["compute_caps"])), *build]
+        n["ops_kind"] = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:12]
+        kinds.setdefault(n["ops_kind"], []).append((-len((probe.get("installed") or {}).get("ops") or []), n["name"]))
+    for n in nodes:
+        n["ops_source"] = min(kinds[n["ops_kind"]])[1]
+
+
 def _lock(s, texts, where, problems, check_dir):
     """The lock every node installs exactly, each file checked against its sha256: the
     wheelhouse's requirements.lock (scripts/wheelhouse.sh) or dsc_node_lock (scripts/nodelock.sh,

@@ -111,6 +111,8 @@ def _nodes(names, hostvars, defaults, probes, problems, probe_errors):
                                    if not gpu_ids or int(g.get("index", -1)) in gpu_ids), default=0) or None,
             "iface": interface_for(addr, probe.get("interfaces") or {}),
             "infiniband": bool(probe.get("infiniband")), "reachable": reachable,
+            # Its SSH host keys ("type base64"), pinned in the master's known_hosts.
+            "ssh_host_keys": list(probe.get("ssh_host_keys") or []),
             # Why the probe gave no report ("" where it did): preflight's unreachable row says it.
             "probe_error": "" if reachable else str(probe_errors.get(name, "")),
             # The node helper installed there is this repository's (else launch installs it).

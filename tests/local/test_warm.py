@@ -1,0 +1,62 @@
+"""Provision's warm-up (dscnode.warm, the node helper's `warm`) with the train venv's torch,
+DeepSpeed and ninja, on real op builds: a node that is not its kind's source leaves an op it would
+have to build for the source to ship ("awaits"), and loads a shipped copy without building it.
+
+    DSC_TIERS=local bash scripts/test.sh -k warm
+"""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dscnode.warm import op_state
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("DSC_TRAIN_VENV", ROOT / ".cache" / "train-venv"))
+# The JIT cache test_train's ranks build into: its op is reused here when it is there.
+RANKS_CACHE = ROOT / ".cache" / "torch_extensions"
+
+pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
+                                reason=f"no train venv at {VENV} (scripts/test.sh builds it)")
+
+
+def warm(ext_dir, *args):
+    env = dict(os.environ, PATH=f"{VENV / 'bin'}:{os.environ['PATH']}", TORCH_EXTENSIONS_DIR=str(ext_dir),
+               DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT / "node"))
+    r = subprocess.run([str(VENV / "bin" / "python"), "-m", "dscnode", "warm", "--ops=ShareMemCommBuilder",
+                        f"--report={ext_dir}/ds_report.txt", "--gpus=0", *args],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_path):
+    os.environ["PATH"] = f"{VENV / 'bin'}:{os.environ['PATH']}"  # op_state's ninja: the venv's
+    op = "deepspeed_shm_comm"
+    source = tmp_path / "source"
+    if (RANKS_CACHE / op).is_dir() and op_state(str(RANKS_CACHE), op) == "fresh":
+        shutil.copytree(RANKS_CACHE / op, source / op, ignore=shutil.ignore_patterns("lock"))
+    else:  # the kind's source builds it
+        out = warm(source, "--build")
+        assert out["built"] == [op] and out["awaits"] == [] and out["ops"] == [op]
+    assert op_state(str(source), op) == "fresh"
+
+    # Not the source, nothing built here: left for the shipment, nothing built.
+    out = warm(tmp_path / "bare")
+    assert out["awaits"] == [op] and out["built"] == [] and not (tmp_path / "bare" / op).exists()
+    assert out["versions"]["deepspeed"] and out["torch_probe"]["gpus"] == 0 and out["report_current"] is False
+
+    # Shipped as tar keeps it (files and their times): loaded, not built (the library unchanged).
+    shutil.copytree(source / op, tmp_path / "shipped" / op)
+    before = (tmp_path / "shipped" / op / f"{op}.so").stat().st_mtime_ns
+    out = warm(tmp_path / "shipped")
+    assert out["awaits"] == [] and out["built"] == []
+    assert (tmp_path / "shipped" / op / f"{op}.so").stat().st_mtime_ns == before
+
+    # What ninja would rebuild (here an object file gone) is not fresh: like a missing op, awaited.
+    next((tmp_path / "shipped" / op).glob("*.o")).unlink()
+    assert op_state(str(tmp_path / "shipped"), op) == "stale"
+    assert op_state(str(tmp_path / "none"), op) == "missing"
