@@ -30,7 +30,7 @@ from dscnode import INSTALLED_PATH
 from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 
 from .deepspeed_config import batch, ds_config, precision, presets
-from .packages import _lock, _requirements, already_there, existing_owner, node_helper, op_sources, pip_sources
+from .packages import _lock, _requirements, already_there, existing_owner, lock_texts, node_helper, op_sources, pip_sources
 from .problems import Problems
 from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan
 from .rendered import _env_paths, code_archive, parse_ds_env, parse_hostfile
@@ -186,7 +186,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         data_dir=data["dir"], data_shared=data["shared"], secret_names=secrets,
         **pip_sources(node_wheelhouse if wheelhouse else "", str(s["dsc_pip_index_url"] or ""),
                       TORCH_INDEXES.get(s["dsc_torch_variant"], "")),
-        lock=lock or {}, locked=bool(lock),
+        lock=lock or {}, locked=bool(lock), lock_texts=lock_texts(lock),
         master_port_first=int(s["dsc_master_port"]),
         master_port_last=int(s["dsc_master_port_last"]),
         launch_mode=s["dsc_launch_mode"],

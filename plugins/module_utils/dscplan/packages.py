@@ -159,15 +159,21 @@ def pip_sources(wheelhouse, index, torch_index):
             "pip_torch_args": f"--index-url {torch_index}" if torch_index else source}
 
 
+def lock_texts(lock):
+    """The lock's files as roles/pytorch writes them on a node (lock-wheels.txt, lock-sdists.txt:
+    a line per package), {} without a lock."""
+    return {kind: "\n".join(lock[kind]) + "\n" for kind in LOCK_FILES} if lock else {}
+
+
 def already_there(probe, lock, wheelhouse_digest):
     """{lock_current, wheelhouse_current}: whether a node holds the lock's files and the
     wheelhouse's copy exactly as provision would put them there (the probe's `installed`,
     dscnode.probe), so that provision sends neither (roles/pytorch). `wheelhouse_digest`:
     dscnode.probe.tree_digest of dsc_wheelhouse on the control node, None without one."""
     have = (probe or {}).get("installed") or {}
+    texts = lock_texts(lock)
     lock_current = bool(lock) and all(
-        (have.get("lock") or {}).get(kind) == hashlib.sha256(("\n".join(lock[kind]) + "\n").encode()).hexdigest()
-        for kind in LOCK_FILES)
+        (have.get("lock") or {}).get(kind) == hashlib.sha256(texts[kind].encode()).hexdigest() for kind in LOCK_FILES)
     return {"lock_current": lock_current,
             "wheelhouse_current": wheelhouse_digest is not None and have.get("wheelhouse") == wheelhouse_digest}
 

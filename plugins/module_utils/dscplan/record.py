@@ -54,6 +54,7 @@ class Plan:
     pip_torch_args: str  # pip's source for an unlocked torch (its CUDA-variant index)
     lock: dict  # the wheelhouse's lock or dsc_node_lock ({} without): installed exactly, sha256 checked
     locked: bool
+    lock_texts: dict  # {wheels, sdists}: the lock's files as written on the nodes (roles/pytorch)
     master_port_first: int
     master_port_last: int
     launch_mode: str  # pdsh or no_ssh (dsc_launch_mode)
