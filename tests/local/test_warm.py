@@ -23,10 +23,10 @@ pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
                                 reason=f"no train venv at {VENV} (scripts/test.sh builds it)")
 
 
-def warm(ext_dir, *args):
+def warm(ext_dir, *args, ops="ShareMemCommBuilder"):
     env = dict(os.environ, PATH=f"{VENV / 'bin'}:{os.environ['PATH']}", TORCH_EXTENSIONS_DIR=str(ext_dir),
                DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT / "node"))
-    r = subprocess.run([str(VENV / "bin" / "python"), "-m", "dscnode", "warm", "--ops=ShareMemCommBuilder",
+    r = subprocess.run([str(VENV / "bin" / "python"), "-m", "dscnode", "warm", f"--ops={ops}",
                         f"--report={ext_dir}/ds_report.txt", "--gpus=0", *args],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -44,19 +44,18 @@ def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_pat
         assert out["built"] == [op] and out["awaits"] == [] and out["ops"] == [op]
     assert op_state(str(source), op) == "fresh"
 
-    # Not the source, nothing built here: left for the shipment, nothing built.
-    out = warm(tmp_path / "bare")
-    assert out["awaits"] == [op] and out["built"] == [] and not (tmp_path / "bare" / op).exists()
+    # A node that is not its kind's source, with one op shipped (as tar keeps it: files and their
+    # times) and one it lacks: the shipped one loaded, not built (its library unchanged); the
+    # other left for the shipment, nothing built.
+    shutil.copytree(source / op, tmp_path / "node" / op)
+    before = (tmp_path / "node" / op / f"{op}.so").stat().st_mtime_ns
+    out = warm(tmp_path / "node", ops="ShareMemCommBuilder,FusedAdamBuilder")
+    assert out["ops"] == [op, "fused_adam"] and out["awaits"] == ["fused_adam"] and out["built"] == []
+    assert (tmp_path / "node" / op / f"{op}.so").stat().st_mtime_ns == before
+    assert not (tmp_path / "node" / "fused_adam").exists()
     assert out["versions"]["deepspeed"] and out["torch_probe"]["gpus"] == 0 and out["report_current"] is False
 
-    # Shipped as tar keeps it (files and their times): loaded, not built (the library unchanged).
-    shutil.copytree(source / op, tmp_path / "shipped" / op)
-    before = (tmp_path / "shipped" / op / f"{op}.so").stat().st_mtime_ns
-    out = warm(tmp_path / "shipped")
-    assert out["awaits"] == [] and out["built"] == []
-    assert (tmp_path / "shipped" / op / f"{op}.so").stat().st_mtime_ns == before
-
     # What ninja would rebuild (here an object file gone) is not fresh: like a missing op, awaited.
-    next((tmp_path / "shipped" / op).glob("*.o")).unlink()
-    assert op_state(str(tmp_path / "shipped"), op) == "stale"
+    next((tmp_path / "node" / op).glob("*.o")).unlink()
+    assert op_state(str(tmp_path / "node"), op) == "stale"
     assert op_state(str(tmp_path / "none"), op) == "missing"
