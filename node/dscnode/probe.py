@@ -1,7 +1,7 @@
 """What the plan needs from a node, fast (no Python env, no torch) and read-only: GPUs,
-interfaces, InfiniBand, CPUs, the runs, the firewall, the installed helper's sha256, the node
-lock's and the wheelhouse copy's digests, and every path root creates or writes into, each read
-with lstat. Ansible's script module pushes the built file
+interfaces, InfiniBand, CPUs and the CPU's identity, the runs, the firewall, the SSH host keys, the
+installed helper's sha256, the node lock's and the wheelhouse copy's digests, the JIT cache's
+built ops, and every path root creates or writes into, each read with lstat. Ansible's script module pushes the built file
 and runs it before anything is installed (roles/plan)."""
 import glob
 import hashlib
