@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 
+from dscnode.entry import AfterImport, CpuInfoOnce
 from dscnode.procs import run
 
 
@@ -46,7 +47,6 @@ def kept_report_versions(path):
 def warm(ops, report, gpus_expected, build):
     """{torch_probe, ops, built, awaits, versions, report_current}. `ops`: op builder class names;
     `build`: build what is not fresh here (the kind's source, or after a shipment)."""
-    from dscnode.entry import AfterImport, CpuInfoOnce
     ext_dir = os.environ["TORCH_EXTENSIONS_DIR"]
     # py-cpuinfo's answer, which DeepSpeed asks for twice per op it loads, kept for the ranks as
     # the entry shim keeps it.
@@ -59,13 +59,14 @@ def warm(ops, report, gpus_expected, build):
     from deepspeed.accelerator import get_accelerator
     names, built, awaits = [], [], []
     for cls in ops if gpus_seen else []:
-        name = get_accelerator().create_op_builder(cls).name
+        builder = get_accelerator().create_op_builder(cls)
+        name = builder.name
         names.append(name)
         if not build and op_state(ext_dir, name) != "fresh":
             awaits.append(name)
             continue
         before = so_mtime(ext_dir, name)
-        get_accelerator().create_op_builder(cls).load(verbose=False)
+        builder.load(verbose=False)
         if so_mtime(ext_dir, name) != before:
             built.append(name)
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
