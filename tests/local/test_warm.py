@@ -33,8 +33,8 @@ def warm(ext_dir, *args, ops="ShareMemCommBuilder"):
     return json.loads(r.stdout.splitlines()[-1])
 
 
-def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_path):
-    os.environ["PATH"] = f"{VENV / 'bin'}:{os.environ['PATH']}"  # op_state's ninja: the venv's
+def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{VENV / 'bin'}:{os.environ['PATH']}")  # op_state's ninja: the venv's
     op = "deepspeed_shm_comm"
     source = tmp_path / "source"
     if (RANKS_CACHE / op).is_dir() and op_state(str(RANKS_CACHE), op) == "fresh":
