@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+RECORD = "/opt/dscluster/warm.json"  # dscnode.warm's record of its last complete answer
 
 
 def test_molecule_scenario_passes(provisioned, cluster, tmp_path):
@@ -13,6 +14,7 @@ def test_molecule_scenario_passes(provisioned, cluster, tmp_path):
     # `provisioned` fixture's provision.yml; molecule records that in its own state file, which
     # a fresh machine does not have: this run's state says so (a scenario directory of its own).
     (tmp_path / "state.yml").write_text("---\nconverged: true\n")
+    records = {n: cluster.exec(n, f"stat -c %y {RECORD}").stdout for n in cluster.names}
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", NO_COLOR="1",
                DSC_TEST_STATE=str(cluster.inventory.parent), MOLECULE_EPHEMERAL_DIRECTORY=str(tmp_path))
     env.pop("ANSIBLE_CONFIG", None)  # molecule writes its own from molecule.yml
@@ -22,3 +24,5 @@ def test_molecule_scenario_passes(provisioned, cluster, tmp_path):
     assert r.returncode == 0, out[-5000:]
     for action in ("syntax", "idempotence", "verify"):
         assert f"{action}: Executed: Successful" in " ".join(out.split()), action
+    # The warm-up answered from its record on every node (a warm-up that imports torch writes it anew).
+    assert records == {n: cluster.exec(n, f"stat -c %y {RECORD}").stdout for n in cluster.names}

@@ -36,7 +36,7 @@ built file). Every command prints one JSON object.
     dsc_node.pyz free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.pyz active RUN_ROOT               # the run whose supervisor is alive, if any
     dsc_node.pyz write-secrets RUN_DIR         # stdin {NAME: value}: the run's secrets, 0600, outside the run dir
-    dsc_node.pyz warm --ops A,B --report FILE --gpus N [--build]
+    dsc_node.pyz warm --ops A,B --report FILE --gpus N [--record FILE] [--driver V] [--build]
                                                # provision, in the env's python as the training user:
                                                # what torch sees, DeepSpeed's ops warmed (or left for
                                                # the kind's source to ship, without --build), versions
@@ -157,7 +157,7 @@ def parser():
     action("active", _active, "the run whose supervisor is alive, if any").add_argument("run_root")
     action("write-secrets", _write_secrets, "stdin {NAME: value}: the run's secrets, 0600, beside it").add_argument("run_dir")
     p = action("warm", _warm, "what torch sees, DeepSpeed's ops warmed, the versions (the env's python)")
-    for option in ("--ops", "--report"):
+    for option in ("--ops", "--report", "--record", "--driver"):
         p.add_argument(option, default="")
     p.add_argument("--gpus", type=int, default=0)
     p.add_argument("--build", action="store_true")
@@ -171,7 +171,7 @@ def hosts(text):
 
 def _warm(a):
     from dscnode.warm import warm
-    print(json.dumps(warm([o for o in a.ops.split(",") if o], a.report, a.gpus, a.build)))
+    print(json.dumps(warm([o for o in a.ops.split(",") if o], a.report, a.gpus, a.build, a.record, a.driver)))
 
 
 def _probe(a):

@@ -8,11 +8,20 @@ versions) on that kind's source node (node[].ops_source) and shipped to the othe
 is not its kind's source, an op that ninja would build (missing, or older than its sources) is left
 out and named in `awaits`; provision then unpacks the source's build there and warms again with
 --build, which loads it (ninja finds nothing to do) or, where the shipped build does not fit the
-node after all, builds it."""
+node after all, builds it.
+
+A complete answer (nothing awaited) is kept in a record (--record) with what it depends on: the ops
+asked, the GPUs nvidia-smi sees and the driver, the environment variables the build reads, the
+env's installed packages (each top-level entry of site-packages and its mtime: a package
+installed, removed or reinstalled changes it) and each op library's mtime. A later warm-up that
+finds all of them unchanged answers from the record without importing torch: a provision that
+changes nothing spends a few milliseconds here instead of seconds per node."""
+import hashlib
 import json
 import os
 import platform
 import sys
+import sysconfig
 
 from dscnode.entry import AfterImport, CpuInfoOnce
 from dscnode.procs import run
@@ -44,10 +53,71 @@ def kept_report_versions(path):
         return None
 
 
-def warm(ops, report, gpus_expected, build):
-    """{torch_probe, ops, built, awaits, versions, report_current}. `ops`: op builder class names;
-    `build`: build what is not fresh here (the kind's source, or after a shipment)."""
+RECORD_FORMAT = 1
+# What building and loading an op reads from the environment, beside the env's packages.
+BUILD_ENV = ("TORCH_EXTENSIONS_DIR", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME")
+
+
+def packages_state(folders):
+    """A digest of every top-level entry of the given site-packages folders and its mtime (lstat)."""
+    state = []
+    for folder in folders:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                state.append((os.path.join(folder, name), os.lstat(os.path.join(folder, name)).st_mtime_ns))
+            except OSError:
+                pass
+    return hashlib.sha256(json.dumps(sorted(state)).encode()).hexdigest()
+
+
+def warm_key(ops, gpus_expected, driver, site_packages):
+    """What a warm-up's answer depends on, besides the op libraries themselves."""
+    return {"format": RECORD_FORMAT, "ops": list(ops), "gpus": gpus_expected, "driver": driver,
+            "env": {k: os.environ.get(k) for k in BUILD_ENV}, "packages": packages_state(site_packages)}
+
+
+def recorded(path, key, ext_dir):
+    """The record's answer where its key is `key` and every op library it names has the mtime it
+    had then; None otherwise (no record, another key, an op rebuilt, moved or removed)."""
+    try:
+        with open(path) as f:
+            record = json.loads(f.read(4 << 20))
+        out, libs = record["out"], record["libs"]
+        fresh = record["key"] == key and set(libs) == set(out["ops"]) and not out["awaits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return out if fresh and all(so_mtime(ext_dir, name) == mtime for name, mtime in libs.items()) else None
+
+
+def keep_record(path, key, ext_dir, out):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"key": key, "libs": {name: so_mtime(ext_dir, name) for name in out["ops"]}, "out": out}, f)
+    os.replace(tmp, path)
+
+
+def warm(ops, report, gpus_expected, build, record="", driver=""):
+    """{torch_probe, ops, built, awaits, versions, report_current, recorded}. `ops`: op builder
+    class names; `build`: build what is not fresh here (the kind's source, or after a shipment);
+    `record`: where the last complete answer is kept (answered from it when nothing it depends on
+    changed: `recorded` true, torch not imported)."""
     ext_dir = os.environ["TORCH_EXTENSIONS_DIR"]
+    paths = sysconfig.get_paths()
+    key = warm_key(ops, gpus_expected, driver, sorted({paths["purelib"], paths["platlib"]}))
+    out = recorded(record, key, ext_dir) if record else None
+    if out is not None:
+        return dict(out, built=[], report_current=kept_report_versions(report) == out["versions"], recorded=True)
+    out = dict(_warm(ops, report, gpus_expected, build, ext_dir), recorded=False)
+    if record and not out["awaits"] and len(out["ops"]) == len(ops):  # every op there (torch saw the GPUs)
+        keep_record(record, key, ext_dir, out)
+    return out
+
+
+def _warm(ops, report, gpus_expected, build, ext_dir):
     # py-cpuinfo's answer, which DeepSpeed asks for twice per op it loads, kept for the ranks as
     # the entry shim keeps it.
     sys.meta_path.insert(0, AfterImport({"cpuinfo": CpuInfoOnce(ext_dir)}))

@@ -33,13 +33,23 @@ def warm(ext_dir, *args, ops="ShareMemCommBuilder"):
     return json.loads(r.stdout.splitlines()[-1])
 
 
-def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_path, monkeypatch):
+@pytest.fixture(autouse=True)
+def venv_ninja(monkeypatch):
     monkeypatch.setenv("PATH", f"{VENV / 'bin'}:{os.environ['PATH']}")  # op_state's ninja: the venv's
+
+
+def ranks_build(folder, op):
+    """Whether test_train's ranks left `op` built, fresh: then copied into `folder` (no build here)."""
+    if (RANKS_CACHE / op).is_dir() and op_state(str(RANKS_CACHE), op) == "fresh":
+        shutil.copytree(RANKS_CACHE / op, folder / op, ignore=shutil.ignore_patterns("lock"))
+        return True
+    return False
+
+
+def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_path):
     op = "deepspeed_shm_comm"
     source = tmp_path / "source"
-    if (RANKS_CACHE / op).is_dir() and op_state(str(RANKS_CACHE), op) == "fresh":
-        shutil.copytree(RANKS_CACHE / op, source / op, ignore=shutil.ignore_patterns("lock"))
-    else:  # the kind's source builds it
+    if not ranks_build(source, op):  # the kind's source builds it
         out = warm(source, "--build")
         assert out["built"] == [op] and out["awaits"] == [] and out["ops"] == [op]
     assert op_state(str(source), op) == "fresh"
@@ -59,3 +69,14 @@ def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_pat
     next((tmp_path / "node" / op).glob("*.o")).unlink()
     assert op_state(str(tmp_path / "node"), op) == "stale"
     assert op_state(str(tmp_path / "none"), op) == "missing"
+
+
+def test_a_complete_answer_is_recorded_and_reused(tmp_path):
+    """The record (--record) written by a complete warm-up answers the next one, unchanged (no torch
+    imported: dscnode.warm.recorded; what voids it: tests/unit/test_node_warm.py)."""
+    op = "deepspeed_shm_comm"
+    ranks_build(tmp_path, op)  # or built by the first warm-up
+    first = warm(tmp_path, "--build", f"--record={tmp_path}/warm.json")
+    assert first["recorded"] is False and first["ops"] == [op] and (tmp_path / "warm.json").is_file()
+    second = warm(tmp_path, "--build", f"--record={tmp_path}/warm.json")
+    assert second == dict(first, built=[], recorded=True)
