@@ -258,7 +258,9 @@ def firewalls(root="/"):
     """Which host firewall runs, read from files (no firewall-cmd or ufw call: every playbook
     probes): ufw enabled in /etc/ufw/ufw.conf, a firewalld process; and the OS's ids from
     /etc/os-release (ID, then ID_LIKE), from which the plan takes cluster_network_firewall_backend
-    auto. `root`: where those paths are (/ on a node)."""
+    auto. Also what cluster_network's ufw.yml reads before it changes anything: whether the kernel
+    has IPv6 (ufw's own test) and ufw's rule files (user.rules, user6.rules; "" where missing).
+    `root`: where those paths are (/ on a node)."""
     root = Path(root)
 
     def read(path):
@@ -274,7 +276,8 @@ def firewalls(root="/"):
     except OSError:
         pids = []
     firewalld = any(read(f"proc/{pid}/comm").strip() == "firewalld" for pid in pids)
-    return {"os": ids, "ufw": ufw, "firewalld": firewalld}
+    return {"os": ids, "ufw": ufw, "firewalld": firewalld, "ipv6": (root / "proc/sys/net/ipv6").is_dir(),
+            "ufw_rules": [read("etc/ufw/user.rules"), read("etc/ufw/user6.rules")]}
 
 
 def links(run_root):

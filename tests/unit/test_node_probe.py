@@ -37,7 +37,8 @@ def test_probe_reports_interfaces_and_runs(tmp_path):
 ])
 def test_the_probe_reads_the_running_firewall_from_files(tmp_path, release, ufw_conf, comms, want):
     """The probe's firewall view (the plan refuses the other firewall from it): /etc/os-release,
-    ufw's ENABLED in /etc/ufw/ufw.conf, and a process named firewalld in /proc."""
+    ufw's ENABLED in /etc/ufw/ufw.conf, and a process named firewalld in /proc; and for ufw.yml,
+    IPv6 in the kernel and ufw's rule files."""
     if release is not None:
         (tmp_path / "etc" / "ufw").mkdir(parents=True)
         (tmp_path / "etc" / "os-release").write_text(release)
@@ -45,7 +46,11 @@ def test_the_probe_reads_the_running_firewall_from_files(tmp_path, release, ufw_
     for pid, comm in enumerate(comms, start=1):
         (tmp_path / "proc" / str(pid)).mkdir(parents=True)
         (tmp_path / "proc" / str(pid) / "comm").write_text(comm + "\n")
-    assert probe.firewalls(tmp_path) == want
+    (tmp_path / "proc" / "sys" / "net" / "ipv6").mkdir(parents=True)
+    if release is not None:
+        (tmp_path / "etc" / "ufw" / "user.rules").write_text("*filter\n### tuple ### allow tcp 22\n")
+    rules = ["*filter\n### tuple ### allow tcp 22\n" if release is not None else "", ""]
+    assert probe.firewalls(tmp_path) == dict(want, ipv6=True, ufw_rules=rules)
 
 
 def test_the_probe_reports_who_owns_an_existing_interpreter_and_the_plan_judges_it(tmp_path):

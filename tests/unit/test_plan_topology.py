@@ -144,6 +144,25 @@ def test_firewall_auto_follows_the_os(os_ids, backend):
     assert not errors and {n["firewall_backend"] for n in p["nodes"]} == {backend}
 
 
+def test_ufw_s_state_as_the_probe_read_it_reaches_each_node():
+    """ufw.yml's inputs from the probe (no module call per node): IPv6 in the kernel, ufw enabled
+    by the site, its two rule files; rule files only where ufw is the node's firewall, and only
+    as two texts."""
+    hostvars, groups, probes = cluster()
+    rules = ["*filter\n### tuple ### allow tcp 22 0.0.0.0/0 any 0.0.0.0/0 in\n", ""]
+    seen = {"os": ["debian"], "ufw": True, "firewalld": False, "ipv6": True, "ufw_rules": rules}
+    probes["node1"]["firewalls"] = seen
+    probes["node2"]["firewalls"] = dict(seen, ipv6=False, ufw=False, ufw_rules=["only one"])
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, firewall=True)
+    node = {n["name"]: n for n in p["nodes"]}
+    assert not errors and (node["node1"]["ipv6"], node["node1"]["ufw_enabled"], node["node1"]["ufw_rules"]) == (True, True, rules)
+    assert (node["node2"]["ipv6"], node["node2"]["ufw_enabled"], node["node2"]["ufw_rules"]) == (False, False, ["", ""])
+    for name in probes:
+        probes[name]["firewalls"] = dict(seen, os=["rocky", "rhel"], ufw=False, firewalld=True)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, firewall=True)
+    assert not errors and [n["ufw_rules"] for n in p["nodes"]] == [["", ""]] * len(p["nodes"])
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"firewalld": True}, "cluster_network_firewall_backend on host node1 is 'auto' (ufw on debian), and "
                           "firewalld is running there. Fix: cluster_network_firewall_backend: firewalld"),

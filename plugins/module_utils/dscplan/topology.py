@@ -145,6 +145,11 @@ def _firewall_backends(nodes, probes, s, check, problems):
         ids = seen.get("os") or []
         backend = wanted if wanted != "auto" else next((FIREWALL_AUTO[i] for i in ids if i in FIREWALL_AUTO), "")
         node["firewall_backend"] = backend
+        # What ufw.yml reads before it changes anything, as the probe read it (no module call).
+        node["ipv6"] = bool(seen.get("ipv6"))
+        node["ufw_enabled"] = bool(seen.get("ufw"))
+        rules = seen.get("ufw_rules") if backend == "ufw" else None
+        node["ufw_rules"] = [str(t) for t in rules[:2]] if isinstance(rules, list) and len(rules) == 2 else ["", ""]
         if not check or not as_bool(s["cluster_network_firewall"]) or not node["reachable"]:
             continue
         where = f"cluster_network_firewall_backend on host {node['name']} is {wanted!r}"
