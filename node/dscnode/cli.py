@@ -36,6 +36,7 @@ built file). Every command prints one JSON object.
     dsc_node.pyz free-port FIRST LAST          # the first port nobody listens on (exit 3 if none)
     dsc_node.pyz active RUN_ROOT               # the run whose supervisor is alive, if any
     dsc_node.pyz write-secrets RUN_DIR         # stdin {NAME: value}: the run's secrets, 0600, outside the run dir
+    dsc_node.pyz ufw-apply                     # stdin {delete, insert}: cluster_network's ufw changes (root)
     dsc_node.pyz warm --ops A,B --report FILE --gpus N [--record FILE] [--driver V] [--build]
                                                # provision, in the env's python as the training user:
                                                # what torch sees, DeepSpeed's ops warmed (or left for
@@ -156,6 +157,7 @@ def parser():
     p.add_argument("last", type=int)
     action("active", _active, "the run whose supervisor is alive, if any").add_argument("run_root")
     action("write-secrets", _write_secrets, "stdin {NAME: value}: the run's secrets, 0600, beside it").add_argument("run_dir")
+    action("ufw-apply", _ufw_apply, "stdin {delete, insert}: cluster_network's ufw changes, one call (root)")
     p = action("warm", _warm, "what torch sees, DeepSpeed's ops warmed, the versions (the env's python)")
     for option in ("--ops", "--report", "--record", "--driver"):
         p.add_argument(option, default="")
@@ -270,6 +272,13 @@ def _free_port(a):
 def _active(a):
     from dscnode.procs import active
     print(json.dumps(active(a.run_root)))
+
+
+def _ufw_apply(a):
+    from dscnode.ufw import apply
+    result = apply(json.load(sys.stdin))
+    print(json.dumps(result))
+    return 0 if result["ok"] else 4
 
 
 def _write_secrets(a):
