@@ -11,7 +11,7 @@ warm-up (warm.py).
     procs.py       a run's processes (found, signalled, stopped), pid files, op-build locks
     records.py     what a run recorded: status, runs table, history, log tail, memory, step downs
     probe.py       what the plan needs from a node, read-only
-    warm.py        provision's one torch import: what torch sees, DeepSpeed's ops warmed or awaited, the versions
+    warm.py        provision's one torch import (none where its record answers): what torch sees, DeepSpeed's ops warmed or awaited, the versions
     ufw.py         cluster_network's ufw deletions and insertions, one call per node
     checks.py      preflight's node checks, the ssh mesh, the master port held and reached
     launch.py      write-run and start (under the run root's lock)

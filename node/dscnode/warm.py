@@ -1,5 +1,5 @@
-"""Provision's one torch import on a node (roles/deepspeed), run by the env's python as the training
-user: what torch sees (checked against the GPUs nvidia-smi sees before any op is built for them),
+"""Provision's one torch import on a node (roles/deepspeed; none where its record answers, below),
+run by the env's python as the training user: what torch sees (checked against the GPUs nvidia-smi sees before any op is built for them),
 DeepSpeed's ops warmed in the node's JIT cache (TORCH_EXTENSIONS_DIR), the versions provision's
 table shows, and whether the kept ds_report was written for these versions.
 
