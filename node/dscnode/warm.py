@@ -1,7 +1,8 @@
 """Provision's one torch import on a node (roles/deepspeed; none where its record answers, below),
-run by the env's python as the training user: what torch sees (checked against the GPUs nvidia-smi sees before any op is built for them),
-DeepSpeed's ops warmed in the node's JIT cache (TORCH_EXTENSIONS_DIR), the versions provision's
-table shows, and whether the kept ds_report was written for these versions.
+run by the env's python as the training user: what torch sees (checked against the GPUs
+nvidia-smi sees before any op is built for them), DeepSpeed's ops warmed in the node's JIT cache
+(TORCH_EXTENSIONS_DIR), the versions provision's table shows, and whether the kept ds_report was
+written for these versions.
 
 The ops are built once per kind of node (the plan's node[].ops_kind: same CPU, GPU arch, env and
 versions) on that kind's source node (node[].ops_source) and shipped to the others: on a node that
