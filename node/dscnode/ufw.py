@@ -37,7 +37,7 @@ def commands(changes):
             raise ValueError(f"port {port!r}: a port or a range FIRST:LAST")
         if not isinstance(comment, str) or not COMMENT.fullmatch(comment):
             raise ValueError(f"comment {comment!r}: the toolkit's comments start with 'dscluster'")
-        at = ["insert", str(_number(r["insert"], "insert number"))] if r.get("insert") else []
+        at = ["insert", str(_number(r["insert"], "insert number"))] if r.get("insert") is not None else []
         out.append(["ufw", *at, r["rule"], "from", str(r["from_ip"]), "to", "any",
                     *(["port", str(port)] if port else []), *(["proto", r["proto"]] if r["proto"] != "any" else []),
                     "comment", comment])

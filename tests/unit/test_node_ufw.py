@@ -39,6 +39,7 @@ def test_changes_become_ufw_commands_deletions_first_highest_first():
     {"insert": [{"rule": "allow", "proto": "tcp", "port": "22 proto udp", "from_ip": "10.0.0.1", "comment": "dscluster ssh"}]},
     {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "site's rule"}]},
     {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "dscluster ssh", "insert": -1}]},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "dscluster ssh", "insert": 0}]},
     {"insert": "allow all"},
 ])
 def test_hostile_or_malformed_changes_are_refused_before_ufw_runs(bad):
