@@ -44,16 +44,30 @@ def commands(changes):
     return out
 
 
+def rule_files(folder="/etc/ufw"):
+    """ufw's rules as it keeps them (user.rules, user6.rules; "" where missing)."""
+    texts = []
+    for name in ("user.rules", "user6.rules"):
+        try:
+            with open(f"{folder}/{name}") as f:
+                texts.append(f.read())
+        except OSError:
+            texts.append("")
+    return texts
+
+
 def apply(changes):
-    """{ok, commands, error}: each command run in order; the first that fails ends it."""
+    """{ok, commands, error, rules}: each command run in order, the first that fails ending it;
+    `rules`: ufw's rule files after them, which the role checks lead with the toolkit's rules."""
     try:
         todo = commands(changes)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return {"ok": False, "commands": [], "error": f"refused before any change: {e}"}
-    done = []
+        return {"ok": False, "commands": [], "error": f"refused before any change: {e}", "rules": []}
+    done, error = [], ""
     for cmd in todo:
         rc, out, err = run(cmd, timeout=120)
         done.append(" ".join(cmd))
         if rc != 0:
-            return {"ok": False, "commands": done, "error": (err or out).strip()[-2000:]}
-    return {"ok": True, "commands": done, "error": ""}
+            error = (err or out).strip()[-2000:]
+            break
+    return {"ok": not error, "commands": done, "error": error, "rules": rule_files()}
