@@ -149,7 +149,13 @@ fi
 SECOND_CLUSTER="test_faults test_run_control test_preflight test_privilege test_links test_auto_step_down test_bad_input"
 container_tier() {
   local args=(-v -rs --durations=15 -p no:cacheprovider)
-  if [ $# -gt 0 ]; then tier container molecule/tests "${args[@]}" "$@"; return; fi
+  if [ $# -gt 0 ]; then
+    # Files or tests named (molecule/tests/...): those alone; else (a -k) the whole tier's files.
+    local where=(molecule/tests) a
+    for a in "$@"; do if [[ "$a" == molecule/tests/* ]]; then where=(); fi; done
+    tier container "${where[@]}" "${args[@]}" "$@"
+    return
+  fi
   local first=() second=() f rc0=0 rc1=0
   for f in molecule/tests/test_*.py; do
     if [[ " $SECOND_CLUSTER " == *" $(basename "$f" .py) "* ]]; then second+=("$f"); else first+=("$f"); fi
