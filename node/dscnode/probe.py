@@ -16,6 +16,7 @@ from pathlib import Path
 from dscnode import INSTALLED_PATH
 from dscnode.procs import run
 from dscnode.records import runs
+from dscnode.ufw import rule_files
 
 
 def sha256(path):
@@ -277,7 +278,7 @@ def firewalls(root="/"):
         pids = []
     firewalld = any(read(f"proc/{pid}/comm").strip() == "firewalld" for pid in pids)
     return {"os": ids, "ufw": ufw, "firewalld": firewalld, "ipv6": (root / "proc/sys/net/ipv6").is_dir(),
-            "ufw_rules": [read("etc/ufw/user.rules"), read("etc/ufw/user6.rules")]}
+            "ufw_rules": rule_files(str(root / "etc" / "ufw"))}
 
 
 def links(run_root):

@@ -45,11 +45,12 @@ def commands(changes):
 
 
 def rule_files(folder="/etc/ufw"):
-    """ufw's rules as it keeps them (user.rules, user6.rules; "" where missing)."""
+    """ufw's rules as it keeps them (user.rules, user6.rules; "" where missing): what the probe
+    reports before a provision and ufw-apply after its commands."""
     texts = []
     for name in ("user.rules", "user6.rules"):
         try:
-            with open(f"{folder}/{name}") as f:
+            with open(f"{folder}/{name}", errors="replace") as f:
                 texts.append(f.read())
         except OSError:
             texts.append("")

@@ -41,6 +41,13 @@ def test_changes_become_ufw_commands_deletions_first_highest_first():
     {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "dscluster ssh", "insert": -1}]},
     {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "dscluster ssh", "insert": 0}]},
     {"insert": "allow all"},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1\n", "comment": "dscluster ssh"}]},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "../10.0.0.1", "comment": "dscluster ssh"}]},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "port": "22\n", "comment": "dscluster ssh"}]},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "dscluster $(id)"}]},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "dscluster ssh\n"}]},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "dscluster ssh; reboot"}]},
+    {"insert": [{"rule": "allow", "proto": "tcp", "from_ip": "10.0.0.1", "comment": "#jinja2: variable_start_string:'[['"}]},
 ])
 def test_hostile_or_malformed_changes_are_refused_before_ufw_runs(bad):
     out = json.loads(helper("ufw-apply", stdin=json.dumps(bad)).stdout)
