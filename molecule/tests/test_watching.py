@@ -1,7 +1,8 @@
 """Watching runs on the container cluster: the follow line with every node's state and a picture
 at the end, logs.yml's lines and streamed log, DeepSpeed's monitor and TensorBoard files fetched,
-plot.yml over several runs, and a run stalled by a stopped rank: marked, then (when asked)
-torn down and restarted to completion."""
+plot.yml over several runs, and a run stalled by a stopped rank: marked, every rank's stack read
+(the stopped one named with its node and frame), then (when asked) torn down and restarted to
+completion."""
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +109,7 @@ def test_plot_draws_several_runs_in_one_picture(provisioned, cluster):
     assert bad.returncode != 0 and "plot_runs: no run 'w-nope'" in bad.output
 
 
-def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provisioned, cluster):
+def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_it_continues(provisioned, cluster, figures):
     run_id, worker = "w-stall-mark", cluster.names[1]
     launch(cluster, run_id, "-e", f"dsc_stall_timeout_s={STALL_S}",
            *e(dsc_train_config=dict(TINY, **UNTIL_STOPPED, log_every=10, save_every=100000)))
@@ -119,8 +120,23 @@ def test_a_stopped_rank_is_marked_stalled_and_clears_when_it_continues(provision
         stopped_at = time.time()
         wait(lambda: (s := cluster.run_status(run_id))["state"] == "stalled" and s, 60, "the stall mark")
         assert time.time() - stopped_at < STALL_S + 20  # the set time, plus the polls
+        rank = int(cluster.exec(worker, f"tr '\\0' '\\n' < /proc/{victim}/environ | sed -n 's/^RANK=//p'").stdout)
+        odd = f"rank {rank} on {worker} (stopped) in "
+        # The supervisor read every rank's stack at the mark (py-spy on each node, the worker's
+        # through pdsh); status shows where they are, the stopped rank first.
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
-        assert f"run {run_id}: stalled" in shown.output
+        assert f"run {run_id}: stalled" in shown.output and "where each rank is, at the stall:" in shown.output
+        lines = shown.output.split("where each rank is, at the stall:")[1].splitlines()
+        assert odd in lines[1], lines[:4]
+        # On demand: read again now, saved in the run directory on each node.
+        asked = cluster.playbook("status.yml", "-e", f"run_id={run_id}", "-e", "stacks=true")
+        assert asked.returncode == 0, asked.output[-3000:]
+        lines = asked.output.split("where each rank is (stacks/ in the run directory on each node):")[1].splitlines()
+        assert odd in lines[1] and lines[2].strip(" \"'-,").startswith("rank") and cluster.master in lines[2], lines[:4]
+        figures("stacks", stalled=shown.output.split("at the stall:")[1].splitlines()[1:3], asked=lines[1:3])
+        for n in cluster.names:
+            saved = cluster.exec(n, f"ls {RUNS}/{run_id}/stacks/").stdout.split()
+            assert sum(f.endswith(f"-{n}.json") for f in saved) >= 1, (n, saved)
         cluster.exec(worker, f"kill -CONT {victim}")
         wait(lambda: cluster.run_status(run_id)["state"] == "running", 60, "steps again")
     finally:

@@ -11,7 +11,7 @@ built file). Every command prints one JSON object.
     dsc_node.pyz write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
     dsc_node.pyz start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
                        [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
-                       [--stall-s S] [--stall-fail] -- CMD...
+                       [--stall-s S] [--stall-fail] [--py-spy PATH] -- CMD...
                                                # under a lock: refuse (or replace) an active run, take the
                                                # first free master port (--port: the one the master took,
                                                # no_ssh mode's other nodes), detach a supervisor that runs CMD,
@@ -26,6 +26,9 @@ built file). Every command prints one JSON object.
                                                # (with --hosts: every node's state and ranks, via pdsh;
                                                # with --wait: after up to S seconds, at once when the
                                                # run ends: a followed run's poll)
+    dsc_node.pyz stacks RUN_DIR RUN_ID --py-spy PATH [--node NAME]
+                                               # every rank's Python stack here (as the training
+                                               # user), saved in RUN_DIR/stacks/
     dsc_node.pyz write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
     dsc_node.pyz step-down RUN_DIR INDEX       # preset=auto's ladder step INDEX becomes the run's config
     dsc_node.pyz files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
@@ -85,6 +88,23 @@ def main(argv):
 WAIT_HELP = "first wait up to S seconds while the run runs on this node (a followed run's poll)"
 
 
+def start_arguments(p):
+    p.add_argument("run_dir")
+    p.add_argument("run_id")
+    p.add_argument("--run-root", required=True)
+    ports = p.add_mutually_exclusive_group(required=True)
+    ports.add_argument("--ports", nargs=2, type=int, metavar=("FIRST", "LAST"))
+    ports.add_argument("--port", type=int)
+    p.add_argument("--replace", action="store_true")
+    p.add_argument("--hosts", default="")
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--backoff", type=float, default=10.0)
+    p.add_argument("--resume-args", default='["--resume"]')
+    p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--stall-fail", action="store_true")
+    p.add_argument("--py-spy", default="", help="the env's py-spy: every node's stacks are read at a stall")
+
+
 def parser():
     """Every action's arguments as the roles and the supervisor pass them; each action's function
     (below) prints its JSON and returns the exit code (None: 0)."""
@@ -106,21 +126,8 @@ def parser():
     p = action("write-run", _write_run, "stdin {files, code, code_dest}: the run's files and code")
     p.add_argument("run_dir")
     p.add_argument("--resume", action="store_true")
-    p = action("start", _start, "under the run root's lock: take a master port, detach a supervisor "
-                             "that runs the command after --")
-    p.add_argument("run_dir")
-    p.add_argument("run_id")
-    p.add_argument("--run-root", required=True)
-    ports = p.add_mutually_exclusive_group(required=True)
-    ports.add_argument("--ports", nargs=2, type=int, metavar=("FIRST", "LAST"))
-    ports.add_argument("--port", type=int)
-    p.add_argument("--replace", action="store_true")
-    p.add_argument("--hosts", default="")
-    p.add_argument("--max-restarts", type=int, default=0)
-    p.add_argument("--backoff", type=float, default=10.0)
-    p.add_argument("--resume-args", default='["--resume"]')
-    p.add_argument("--stall-s", type=float, default=0.0)
-    p.add_argument("--stall-fail", action="store_true")
+    start_arguments(action("start", _start, "under the run root's lock: take a master port, detach a "
+                                            "supervisor that runs the command after --"))
     p = action("procs", _procs, "the processes that carry DSC_RUN_ID=RUN_ID")
     p.add_argument("run_id")
     p = action("stop", _stop, "mark the run stopped, TERM its processes, KILL them after the grace")
@@ -134,6 +141,11 @@ def parser():
     p.add_argument("run_id")
     p.add_argument("--hosts", default="")
     p.add_argument("--wait", type=float, default=0.0, metavar="S", help=WAIT_HELP)
+    p = action("stacks", _stacks, "every rank's Python stack on this node (py-spy), saved in the run directory")
+    p.add_argument("run_dir")
+    p.add_argument("run_id")
+    p.add_argument("--py-spy", required=True)
+    p.add_argument("--node", default=None)
     p = action("write-exit", _write_exit, "the run's exit code, recorded on a worker")
     p.add_argument("run_dir")
     p.add_argument("code", type=int)
@@ -203,7 +215,7 @@ def _start(a):
     return start(a.run_dir, a.run_id, a.cmd, a.run_root, tuple(a.ports) if a.ports else None,
                  replace=a.replace, hosts=hosts(a.hosts), max_restarts=a.max_restarts,
                  backoff=a.backoff, resume_args=json.loads(a.resume_args),
-                 stall={"timeout_s": a.stall_s, "fail": a.stall_fail}, port=a.port)
+                 stall={"timeout_s": a.stall_s, "fail": a.stall_fail, "py_spy": a.py_spy}, port=a.port)
 
 
 def _procs(a):
@@ -223,6 +235,11 @@ def _status(a):
     if a.hosts:
         st["nodes"] = node_states(a.run_dir, a.run_id, a.hosts.split(","), st)
     print(json.dumps(st))
+
+
+def _stacks(a):
+    from dscnode.stacks import collect
+    print(json.dumps(collect(a.run_dir, a.run_id, a.py_spy, a.node)))
 
 
 def _write_exit(a):

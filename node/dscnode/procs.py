@@ -223,14 +223,21 @@ def teardown(run_id, hosts, run_dir=None, by=None):
 
 def on_others(hosts, *args):
     """This helper with args on every other node of the run, through pdsh (best effort: a node
-    that cannot be reached keeps no record, and its status says so)."""
+    that cannot be reached keeps no record, and its status says so): what each node printed,
+    by the name pdsh prefixed its lines with."""
     others = list(hosts)[1:]
+    printed = {}
     if others:
         # pdsh hands the remote shell one line: each argument quoted (a stop's --by has spaces).
-        subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
-                        shlex.join([program(), *map(str, args)])],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
+        r = subprocess.run(["pdsh", "-R", "ssh", "-t", "5", "-u", "60", "-w", ",".join(others),
+                            shlex.join([program(), *map(str, args)])],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
+                           env=dict(os.environ, PDSH_RCMD_TYPE="ssh"), check=False)
+        for line in r.stdout.splitlines():
+            host, sep, text = line.partition(": ")
+            if sep and host in others:
+                printed[host] = printed.get(host, "") + text + "\n"
+    return printed
 
 
 # What runs in an op's build directory while torch holds its lock: ninja and the compilers.

@@ -166,7 +166,8 @@ def status(run_dir, run_id):
             "first_error": error, "traceback": trace, "memory": memory_summary(run_dir),
             "step_downs": step_downs(run_dir), "config": config_label(run),
             "op_build": op_build(run_dir, {p["pid"] for p in ps}),
-            "stopped_by": stopped_by(run) if state == "stopped" else None}
+            "stopped_by": stopped_by(run) if state == "stopped" else None,
+            "stall_stacks": (read_json(run / RunDir.STALLED) or {}).get("stacks", []) if state == "stalled" else []}
 
 
 def op_build(run_dir, pids):

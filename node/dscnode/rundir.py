@@ -28,6 +28,7 @@ class RunDir:
     CHECKPOINTS = "checkpoints"   # train.run's; left out of logs.yml's copies with the code
     ATTEMPT = "attempt.json"      # the current attempt and where its output starts in the log
     STALLED = "stalled.json"      # no step for the stall time (removed when steps come again)
+    STACKS = "stacks"             # each rank's Python stack on a node, at a stall or on demand (a folder)
     RANKS_STARTED = "ranks.started"  # a rank started on this node (the entry shim)
     LOCK = ".launch.lock"         # in the run root: one launch at a time
     MEMORY = "memory.json"        # the plan's predicted peak per GPU (and preset=auto's key)

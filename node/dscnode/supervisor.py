@@ -16,6 +16,7 @@ import time
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
 from dscnode.rundir import RunDir, append_line, last_line, read_json, size_of, write_atomic
+from dscnode.stacks import at_stall
 
 
 # What the launchers print when a node's ranks end badly: launch.py on the node (pdsh prefixes its
@@ -95,14 +96,15 @@ class Stall:
             write_atomic(self.run / RunDir.STALLED, json.dumps(record) + "\n")
             print(f"[dsc_node] stalled: no step for {record['limit_s']:.0f} s after step {self.step}",
                   flush=True)
+            record["first"] = True
         return record
 
 
 def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
     """Wait for the launcher; when a node fails and the run has not ended grace seconds later
     (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere. A
-    stall (`stall`: {timeout_s, fail}) is marked in the run directory, and with fail it ends the
-    attempt as a failure (teardown, then a restart when max_restarts allows). `seen` (a dict) gets
+    stall (`stall`: {timeout_s, fail, py_spy}) is marked in the run directory, with every rank's
+    stack (py_spy: the env's py-spy), and with fail it ends the attempt as a failure (teardown, then a restart when max_restarts allows). `seen` (a dict) gets
     the attempt's first out-of-memory line ("oom")."""
     seen = {} if seen is None else seen
     log = run / RunDir.LOG
@@ -128,6 +130,11 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
         if time.time() - checked >= 2:
             checked = time.time()
             stalled = stalls.check(checked)
+            if stalled and stalled.get("first") and stall.get("py_spy"):
+                try:
+                    at_stall(str(run.path), run_id, list(hosts), stall["py_spy"])
+                except Exception as e:  # noqa: BLE001 - a diagnosis: supervising the run goes on
+                    print(f"[dsc_node] the ranks' stacks were not read: {e}", flush=True)
             if stalled and stall.get("fail") and deadline is None:
                 events.append({"node": hosts[0] if hosts else socket.gethostname(), "kind": "stall",
                                "code": -1, "time": time.time(), "step": stalled["step"],

@@ -8,10 +8,13 @@ plugins/module_utils/dscplan, derived once by the dsc_plan action).
     {{ status | dsc_run_end }}                         -> how a followed run ended, in words
     {{ rows | dsc_runs_table }}                        -> runs.yml's table
     {{ sections | dsc_log_sections(log, read_on) }}    -> logs.yml's last lines under their headers
+    {{ reports | dsc_stack_summary }}                  -> where the ranks are, the odd ones first
 """
 from __future__ import annotations
 
 import datetime
+
+from dscnode.stacks import summary as stack_summary
 
 
 def _group_by(names, value_of):
@@ -139,4 +142,5 @@ class FilterModule:
             "dsc_run_end": run_end,
             "dsc_log_sections": log_sections,
             "dsc_runs_table": runs_table,
+            "dsc_stack_summary": stack_summary,
         }

@@ -103,12 +103,16 @@ def test_pdsh_gets_the_helpers_command_as_one_shell_line_each_argument_quoted(mo
     """pdsh hands the other nodes' shells one line: a stop's --by with spaces and parentheses
     (a replacing launch's) must arrive as one argument, not as shell syntax."""
     seen = []
-    monkeypatch.setattr(procs.subprocess, "run", lambda argv, **kw: seen.append(argv))
+    printed = "node3: {\"a\": 1}\nnode2: {}\npdsh@node1: node9: ssh exited with exit code 255\nnode3: more\n"
+    monkeypatch.setattr(procs.subprocess, "run", lambda argv, **kw: seen.append(argv) or
+                        subprocess.CompletedProcess(argv, 0, printed, ""))
     by = "a launch with replace=true (run r2)"
-    procs.on_others(["node1", "node2", "node3"], "stop", "r1", "--grace", 5, "--by", by)
+    got = procs.on_others(["node1", "node2", "node3"], "stop", "r1", "--grace", 5, "--by", by)
     (argv,) = seen
     assert argv[:2] == ["pdsh", "-R"] and argv[argv.index("-w") + 1] == "node2,node3"
     assert shlex.split(argv[-1])[1:] == ["stop", "r1", "--grace", "5", "--by", by]
+    # what each node printed, by pdsh's prefix (pdsh's own lines are no node's)
+    assert got == {"node3": '{"a": 1}\nmore\n', "node2": "{}\n"}
 
 
 def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_directory(tmp_path):

@@ -23,14 +23,21 @@ def wheelhouse(tmp_path, *files):
 
 def test_requirements_split_torch_family_and_are_checked_against_the_wheelhouse(tmp_path):
     wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl", "torchvision-0.28.0-cp311-cp311-linux_x86_64.whl",
-                    "Datasets-5.0.1-py3-none-any.whl")
+                    "Datasets-5.0.1-py3-none-any.whl", "py_spy-0.4.2-py2.py3-none-manylinux_2_5_x86_64.manylinux1_x86_64.whl")
     req = tmp_path / "requirements.txt"
     req.write_text("# the script's packages\ndatasets==5.0.1  # comment\n\n")
     p, errors = plan(dsc_requirements=["transformers==4.57.6", "torchvision==0.28.0"],
                      dsc_requirements_file=str(req), dsc_wheelhouse=wh)
     assert errors == []
     assert p["torch_requirements"] == ["torchvision==0.28.0"]
-    assert p["requirements"] == ["transformers==4.57.6", "datasets==5.0.1"]
+    # py-spy (dsc_py_spy_version, the stack reader) comes with every env; none when it is empty
+    assert p["requirements"] == ["transformers==4.57.6", "datasets==5.0.1", "py-spy==0.4.2"]
+    p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_py_spy_version="", dsc_wheelhouse=wh)
+    assert errors == [] and p["requirements"] == ["transformers==4.57.6"]
+    p, errors = plan(dsc_requirements=["py-spy==0.4.1"])
+    assert any("'py-spy==0.4.1'. Fix: drop it" in e and "dsc_py_spy_version" in e for e in errors), errors
+    p, errors = plan(dsc_py_spy_version="latest")
+    assert any("dsc_py_spy_version on host node1 is 'latest', not an exact version" in e for e in errors), errors
     p, errors = plan(dsc_requirements=["transformers==9.9", "accelerate"], dsc_wheelhouse=wh)
     assert any("'transformers==9.9' is not in dsc_wheelhouse" in e and "it has 4.57.6" in e
                and "scripts/wheelhouse.sh" in e for e in errors), errors
@@ -38,20 +45,25 @@ def test_requirements_split_torch_family_and_are_checked_against_the_wheelhouse(
 
 
 def test_a_wheelhouse_lock_must_pin_the_plans_torch_deepspeed_and_requirements(tmp_path):
-    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl")
+    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl", "py_spy-0.4.2-py2.py3-none-manylinux_2_5_x86_64.manylinux1_x86_64.whl")
     h = "0" * 64
     lock = tmp_path / "wheels" / "requirements.lock"
     lock.write_text(f"# written by scripts/wheelhouse.sh\ntorch==2.13.0+cpu --hash=sha256:{h}\n"
-                    f"deepspeed==0.19.8 --hash=sha256:{h}\ntransformers==4.57.6 --hash=sha256:{h}\n")
+                    f"deepspeed==0.19.8 --hash=sha256:{h}\ntransformers==4.57.6 --hash=sha256:{h}\n"
+                    f"py-spy==0.4.2 --hash=sha256:{h}\n")
     p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
                      dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
     assert errors == [] and p["locked"] is True and p["lock"]["from"] == "wheelhouse"
-    assert len(p["lock"]["wheels"]) == 3 and p["lock"]["sdists"] == []
+    assert len(p["lock"]["wheels"]) == 4 and p["lock"]["sdists"] == []
     assert p["pip_lock_args"] == p["pip_source_args"] == "--no-index --find-links /opt/dscluster/wheelhouse"
     p, errors = plan(dsc_requirements=["transformers==4.57.6"], dsc_wheelhouse=wh,
                      dsc_torch_version="2.12.0", dsc_deepspeed_version="0.19.8")
     assert any("dsc_wheelhouse on host node1: its lock has torch 2.13.0+cpu, the plan wants torch==2.12.0"
                in e for e in errors), errors
+    # a lock from before py-spy came with every env
+    lock.write_text("\n".join(lock.read_text().splitlines()[:-1]) + "\n")
+    assert any("its lock has py-spy not at all, the plan wants py-spy==0.4.2" in e
+               for e in plan(dsc_wheelhouse=wh)[1])
     lock.write_text("torch==2.13.0\n")
     assert any("not a hashed pin" in e for e in plan(dsc_wheelhouse=wh)[1])
     lock.unlink()
@@ -62,11 +74,11 @@ def test_a_node_lock_from_an_index_splits_wheels_from_source_packages(tmp_path):
     h = "0" * 64
     lock = tmp_path / "nodes.lock"
     lines = [f"torch==2.13.0+cpu --hash=sha256:{h}", f"setuptools==80.9.0 --hash=sha256:{h}",
-             f"deepspeed==0.19.8 --hash=sha256:{h}  # sdist"]
+             f"py-spy==0.4.2 --hash=sha256:{h}", f"deepspeed==0.19.8 --hash=sha256:{h}  # sdist"]
     lock.write_text("# written by scripts/nodelock.sh\n" + "\n".join(lines) + "\n")
     pins = dict(dsc_torch_version="2.13.0", dsc_deepspeed_version="0.19.8")
     p, errors = plan(dsc_node_lock=str(lock), dsc_pip_index_url="http://10.0.0.5:8080/simple", **pins)
-    assert errors == [] and p["lock"] == {"from": "index", "wheels": lines[:2], "sdists": lines[2:]}
+    assert errors == [] and p["lock"] == {"from": "index", "wheels": lines[:3], "sdists": lines[3:]}
     index = "--index-url http://10.0.0.5:8080/simple --trusted-host 10.0.0.5:8080"
     assert p["pip_source_args"] == index
     assert p["pip_lock_args"] == f"{index} --extra-index-url https://download.pytorch.org/whl/cpu"
@@ -76,10 +88,10 @@ def test_a_node_lock_from_an_index_splits_wheels_from_source_packages(tmp_path):
     assert errors == [] and p["pip_source_args"] == "--index-url https://mirror.example/simple"
     assert p["pip_torch_args"] == "--index-url https://download.pytorch.org/whl/cpu"  # torch from its own
     # source packages need the lock's own setuptools (no isolated, unchecked build environment)
-    lock.write_text("\n".join([lines[0], lines[2]]) + "\n")
+    lock.write_text("\n".join([lines[0], lines[2], lines[3]]) + "\n")
     assert any("dsc_node_lock on host node1" in e and "no setuptools" in e and "scripts/nodelock.sh" in e
                for e in plan(dsc_node_lock=str(lock), **pins)[1])
-    lock.write_text("\n".join(lines[:2]) + "\n")
+    lock.write_text("\n".join(lines[:3]) + "\n")
     assert any("dsc_node_lock on host node1: its lock has deepspeed not at all" in e
                for e in plan(dsc_node_lock=str(lock), **pins)[1])
 
@@ -103,9 +115,10 @@ def test_a_node_holding_the_lock_and_the_wheelhouse_is_sent_neither(tmp_path):
     than it would put them (dscnode.probe.installed, on a real folder here, against the control
     node's wheelhouse): a provision that changes nothing sends nothing."""
     h = "0" * 64
-    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl")
+    wh = wheelhouse(tmp_path, "transformers-4.57.6-py3-none-any.whl", "py_spy-0.4.2-py2.py3-none-manylinux_2_5_x86_64.manylinux1_x86_64.whl")
     (tmp_path / "wheels" / "requirements.lock").write_text(
-        f"torch==2.13.0+cpu --hash=sha256:{h}\ndeepspeed==0.19.8 --hash=sha256:{h}\n")
+        f"torch==2.13.0+cpu --hash=sha256:{h}\ndeepspeed==0.19.8 --hash=sha256:{h}\n"
+        f"py-spy==0.4.2 --hash=sha256:{h}\n")
     node_root = tmp_path / "node"
     (node_root / "wheelhouse").mkdir(parents=True)
     for f in (tmp_path / "wheels").iterdir():  # as rsync -t leaves them: same size and time

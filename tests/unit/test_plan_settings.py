@@ -172,7 +172,7 @@ BAD = [
     ({"dsc_requirements": ["transformers>=>4"]}, "dsc_requirements on host node1: 'transformers>=>4' is not a requirement"),
     ({"dsc_requirements": ["--index-url http://x"]}, "is not a requirement"),
     ({"dsc_requirements": ["pkg @ https://example.org/pkg.whl"]}, "installs from a URL"),
-    ({"dsc_requirements": ["torch==2.0"]}, "torch and DeepSpeed are dsc_torch_version"),
+    ({"dsc_requirements": ["torch==2.0"]}, "torch, DeepSpeed and py-spy are dsc_torch_version"),
     ({"dsc_requirements": "transformers"}, "Fix: a list of requirements"),
     ({"dsc_requirements_file": "/nonexistent/req.txt"}, "dsc_requirements_file on host node1 is '/nonexistent/req.txt'"),
     ({"dsc_data_dir": "/nonexistent/data"}, "dsc_data_dir on host node1 is '/nonexistent/data', which is not a directory"),

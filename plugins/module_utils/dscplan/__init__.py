@@ -24,6 +24,7 @@ must be the same on every node is reported once, not once per node.
 from __future__ import annotations
 
 import os
+import posixpath
 from dataclasses import asdict
 
 from dscnode import INSTALLED_PATH
@@ -165,7 +166,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         env_manager=manager, install_root=install_root,
         run_root=str(s["dsc_run_root"] or f"{install_root}/runs").rstrip("/"),
         cache_dir=cache_dir, torch_extensions_dir=node_env["TORCH_EXTENSIONS_DIR"],
-        env_prefix=prefix, python=python,
+        env_prefix=prefix, python=python, py_spy=posixpath.join(posixpath.dirname(python), "py-spy"),
         pip="" if manager == "existing" else f"{prefix}/bin/pip",
         # An existing interpreter runs only as its one owner, or root when it is root's alone
         # (existing_owner).

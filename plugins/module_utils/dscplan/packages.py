@@ -57,8 +57,9 @@ def existing_owner(node, py, report):
 
 def read_requirements(s, where, problems):
     """dsc_requirements plus the lines of dsc_requirements_file, each a plain PEP 508 requirement
-    (name, extras, version specifiers, markers): [(text, name)]. No URLs, options or editable
-    installs: what a node installs is named here, and the wheelhouse can be checked for it."""
+    (name, extras, version specifiers, markers), then the toolkit's own py-spy at
+    dsc_py_spy_version: [(text, name)]. No URLs, options or editable installs: what a node
+    installs is named here, and the wheelhouse can be checked for it."""
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import canonicalize_name
     given = s["dsc_requirements"] or []
@@ -89,11 +90,13 @@ def read_requirements(s, where, problems):
         if req.url:
             problems.add(f"{var} {where}: {text!r} installs from a URL. Fix: a name and version; "
                          f"put the wheel into dsc_wheelhouse (scripts/wheelhouse.sh).")
-        elif name in ("torch", "deepspeed"):
-            problems.add(f"{var} {where}: {text!r}. Fix: drop it; torch and DeepSpeed are "
-                         f"dsc_torch_version and dsc_deepspeed_version.")
+        elif name in ("torch", "deepspeed", "py-spy"):
+            problems.add(f"{var} {where}: {text!r}. Fix: drop it; torch, DeepSpeed and py-spy are "
+                         f"dsc_torch_version, dsc_deepspeed_version and dsc_py_spy_version.")
         else:
             out.append((str(req), name))
+    if s.get("dsc_py_spy_version"):
+        out.append((f"py-spy=={s['dsc_py_spy_version']}", "py-spy"))
     return out
 
 

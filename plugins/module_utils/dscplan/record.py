@@ -29,6 +29,7 @@ class Plan:
     torch_extensions_dir: str
     env_prefix: str  # the Python env's prefix: its bin/ leads every rank's PATH
     python: str  # the env's interpreter
+    py_spy: str  # the env's py-spy beside it (dsc_py_spy_version): reads the ranks' stacks at a stall and for status.yml -e stacks=true
     pip: str  # the env's pip script; empty for an existing interpreter, which may have none: pip tasks use its module
     env_owner: str  # who runs pip in the env (and owns it)
     install_packages: bool  # torch and DeepSpeed installed into the env (an existing one: dsc_existing_install)

@@ -31,7 +31,7 @@ TORCH_INDEXES = {
 CLUSTER_SETTINGS = (
     "dsc_cluster_name", "dsc_env_manager", "dsc_install_root", "dsc_run_root",
     "dsc_python_version", "dsc_torch_version", "dsc_torch_variant", "dsc_deepspeed_version",
-    "dsc_train_user", "dsc_wheelhouse", "dsc_node_lock", "dsc_pip_index_url", "dsc_master_port",
+    "dsc_py_spy_version", "dsc_train_user", "dsc_wheelhouse", "dsc_node_lock", "dsc_pip_index_url", "dsc_master_port",
     "dsc_master_port_last",
     "dsc_conda_env_name", "dsc_conda_installer_file", "dsc_conda_installer_sha256",
     "dsc_conda_accept_tos", "dsc_existing_python", "dsc_existing_install", "dsc_manage_packages", "dsc_launch_mode",
@@ -108,6 +108,7 @@ def load_defaults(spec_path, pins_path):
     pins = read_pins(pins_path)
     defaults["dsc_torch_version"] = pins["TORCH_VERSION"]
     defaults["dsc_deepspeed_version"] = pins["DEEPSPEED_VERSION"]
+    defaults["dsc_py_spy_version"] = pins["PY_SPY_VERSION"]
     return defaults
 
 
@@ -318,7 +319,10 @@ def _check_settings(s, first, problems, check_dir):
     if s["dsc_run_root"]:
         _abs_path(problems, "dsc_run_root", s["dsc_run_root"], "/opt/dscluster/runs", where,
                   "provision makes it the training user's")
-    for var, example in (("dsc_torch_version", "2.13.0"), ("dsc_deepspeed_version", "0.19.8")):
+    for var, example in (("dsc_torch_version", "2.13.0"), ("dsc_deepspeed_version", "0.19.8"),
+                         ("dsc_py_spy_version", "0.4.2")):
+        if var == "dsc_py_spy_version" and s[var] in ("", None):
+            continue  # no stack reader installed
         if not EXACT_VERSION.fullmatch(str(s[var])):
             problems.add(f"{var} {where} is {str(s[var])!r}, not an exact version. Fix: pin one "
                          f"release, e.g. {example!r}: the same on every node, no range.")
