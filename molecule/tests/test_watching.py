@@ -120,7 +120,8 @@ def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_i
         stopped_at = time.time()
         wait(lambda: (s := cluster.run_status(run_id))["state"] == "stalled" and s, 60, "the stall mark")
         assert time.time() - stopped_at < STALL_S + 20  # the set time, plus the polls
-        rank = int(cluster.exec(worker, f"tr '\\0' '\\n' < /proc/{victim}/environ | sed -n 's/^RANK=//p'").stdout)
+        rank = int(cluster.exec(worker, f"tr '\\0' '\\n' < /proc/{victim}/environ | sed -n 's/^RANK=//p'",
+                                user="dstrain").stdout)
         odd = f"rank {rank} on {worker} (stopped) in "
         # The supervisor read every rank's stack at the mark (py-spy on each node, the worker's
         # through pdsh); status shows where they are, the stopped rank first.

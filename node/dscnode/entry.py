@@ -2,7 +2,8 @@
 
     <env python> -u dsc_node.pyz [--local_rank=N] entry --script FILE | --module NAME [ARGS...]
 
-and runs here, under the training env's python: the run's secrets into its environment,
+and runs here, under the training env's python: the run's secrets and this node's own network
+settings into its environment,
 DeepSpeed's engine watched for progress (EngineWatch), its JIT op builds recorded (OpBuildWatch)
 and py-cpuinfo's answer kept for the node (CpuInfoOnce), all through an import hook, then the
 user's script or module in this process.
@@ -20,6 +21,23 @@ import time
 from pathlib import Path
 
 from dscnode.rundir import RunDir, secrets_file, write_atomic
+
+
+# The ranks' settings that differ between nodes (the plan's network_env: each node's own
+# interface, RDMA ports, RoCE GID index): DSC_NODE_<VAR>=<node 0's>/<node 1's>/... in the
+# hostfile's order; each rank takes its node's (node_env).
+NODE_ENV_PREFIX = "DSC_NODE_"
+
+
+def node_env(environ):
+    """Each DSC_NODE_<VAR> of `environ` becomes <VAR> with this node's value: the one at
+    CROSS_RANK, the node's place in the hostfile, which DeepSpeed's launch.py gives every rank
+    (--node_rank). A node with no value ('') is left to NCCL's own choice."""
+    node = int(environ.get("CROSS_RANK") or 0)
+    for key in [k for k in environ if k.startswith(NODE_ENV_PREFIX)]:
+        values = environ.pop(key).split("/")
+        if node < len(values) and values[node]:
+            environ[key[len(NODE_ENV_PREFIX):]] = values[node]
 
 
 class EngineWatch:
@@ -324,8 +342,8 @@ def accelerate_on_cpu(module):
 
 
 def entry(args, local_rank=()):
-    """A rank: the run's secrets into this process's environment (they never pass a command
-    line), the progress hook, then the user's script or module run here as `python FILE` or
+    """A rank: the run's secrets and this node's network settings (node_env) into this process's
+    environment (secrets never pass a command line), the progress hook, then the user's script or module run here as `python FILE` or
     `python -m NAME` would (sys.argv, sys.path[0], __main__). DeepSpeed's launcher puts
     --local_rank=N right after the program (this helper): it goes back right after the user's."""
     if len(args) < 2 or args[0] not in ("--script", "--module"):
@@ -340,6 +358,7 @@ def entry(args, local_rank=()):
             raise SystemExit(f"dsc_node entry: the run's secrets ({secrets_file(run_dir)}) cannot "
                              f"be read: {e}. Fix: resume with dsc_secrets given again (resume.yml "
                              f"writes them anew on every node).") from None
+    node_env(os.environ)
     patches = {"accelerate.state": accelerate_on_cpu,
                "cpuinfo": CpuInfoOnce(os.environ.get("TORCH_EXTENSIONS_DIR"))}
     if run_dir:

@@ -119,6 +119,35 @@ def interfaces():
     return {name: None for _, name in socket.if_nameindex()}
 
 
+# An IPv4-mapped GID (::ffff:a.b.c.d): the RoCE v2 GID that routes over the node's IPv4 network.
+IPV4_GID = "0000:0000:0000:0000:0000:ffff:"
+
+
+def rdma(root="/sys/class/infiniband"):
+    """Each RDMA port (InfiniBand, or RoCE over Ethernet): device, port, state (ACTIVE, DOWN,
+    ...), link layer and, for RoCE, the GID index NCCL needs (NCCL_IB_GID_INDEX: the first RoCE v2
+    GID holding an IPv4 address; None where there is none)."""
+    out = []
+    base = Path(root)
+    for dev in sorted(base.iterdir()) if base.is_dir() else []:
+        ports = dev / "ports"
+        for port in sorted(ports.iterdir() if ports.is_dir() else [], key=lambda p: int(p.name) if p.name.isdigit() else 0):
+            def read(name, port=port):
+                try:
+                    return (port / name).read_text().strip()
+                except OSError:
+                    return ""
+            entry = {"device": dev.name, "port": int(port.name) if port.name.isdigit() else 0,
+                     "state": read("state").split(":")[-1].strip(), "link_layer": read("link_layer")}
+            if entry["link_layer"] == "Ethernet":
+                types = port / "gid_attrs" / "types"
+                indexes = sorted((int(f.name) for f in types.iterdir() if f.name.isdigit()) if types.is_dir() else [])
+                entry["gid_index"] = next((i for i in indexes if read(f"gid_attrs/types/{i}") == "RoCE v2"
+                                           and read(f"gids/{i}").startswith(IPV4_GID)), None)
+            out.append(entry)
+    return out
+
+
 def gpus():
     rc, out, _ = run(["nvidia-smi", "--query-gpu=index,compute_cap,driver_version,memory.total",
                       "--format=csv,noheader,nounits"], timeout=30)
@@ -200,7 +229,7 @@ def probe(run_root="", existing="", install_root="", data_dir="", train_user="")
     """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
     ib = Path("/sys/class/infiniband")
     return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "cpu": cpu_identity(), "gpus": gpus(),
-            "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()),
+            "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
             "runs": runs(run_root) if run_root else [],
             "run_root_links": links(run_root) if run_root else [],
             "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(), "ssh_host_keys": ssh_host_keys(),

@@ -98,11 +98,14 @@ WAITING = re.compile(r"all_reduce|allreduce|all_gather|allgather|reduce_scatter|
                      r"all_to_all|\breduce\b|\bgather\b|\bscatter\b|send|recv|\bwait\b|synchronize")
 
 
+UNREAD = "stack not read"
+
+
 def place(rank):
     """Where a rank is, in words: its innermost frame that passes nothing on, 'fn (file:line)';
     its error where py-spy could not read it."""
     if rank.get("error"):
-        return f"unread: {rank['error']}"
+        return f"{UNREAD} ({rank['error']})"
     fs = rank.get("frames") or []
     f = next((f for f in fs if f["name"] not in PASS_THROUGH), fs[0] if fs else None)
     return f"{f['name']} ({f['file']}:{f['line']})" if f else "no Python frame"
@@ -124,7 +127,8 @@ def _group_line(members, where):
     nodes = sorted({r["node"] for r in members})
     states = sorted({r["state"] for r in members} - {"sleeping", "running"})
     return (f"{_ranks_text([r.get('rank', -1) for r in members])} on {', '.join(nodes)}"
-            f"{' (' + ', '.join(states) + ')' if states else ''} in {where}")
+            f"{' (' + ', '.join(states) + ')' if states else ''}"
+            f"{': ' if where.startswith(UNREAD) else ' in '}{where}")
 
 
 def summary(reports):

@@ -64,6 +64,29 @@ def interface_verdict(node, addr, interfaces, configured):
             "set dsc_addr to an address of this node, or add that address to an interface")
 
 
+def rank_network_verdict(node, cluster):
+    """(status, detail, fix): the network settings this node's ranks get (the plan's network_env,
+    each node's own where they differ) and its RDMA ports; WARN for a port that is not ACTIVE
+    (NCCL leaves it out) and for RDMA that NCCL will not use because another node has none."""
+    own = node.get("network_env") or {}
+    per_node = sorted(k for k in own if f"DSC_NODE_{k}" in cluster["rank_env"])
+    detail = ", ".join(f"{k}={v}" for k, v in own.items() if v) or "NCCL's own choice"
+    if per_node:
+        detail += f" (this node's own: {', '.join(per_node)} differ between nodes)"
+    ports = node.get("rdma") or []
+    if ports:
+        detail += "; RDMA " + ", ".join(f"{p['device']}/{p['port']} {p['state']} ({p['link_layer']})" for p in ports)
+    down = [p for p in ports if p.get("state") != "ACTIVE"]
+    if down:
+        p = down[0]
+        return ("WARN", detail, f"{p['device']} port {p['port']} is {p['state']}, so NCCL leaves it out: check "
+                                f"its cable and link (ibstat {p['device']}) and the subnet manager")
+    if ports and cluster["rank_env"].get("NCCL_IB_DISABLE") == "1":
+        return ("WARN", detail + "; NCCL_IB_DISABLE=1: not every node has RDMA, so all use TCP sockets",
+                "give every node an RDMA port, or set NCCL_IB_DISABLE in dsc_rank_env if NCCL should try it")
+    return ("PASS", detail, "")
+
+
 def owner_verdict(owners):
     """(status, detail, fix): the node helper root runs, and its directory, must be root's alone."""
     bad = {p: o for p, o in owners.items() if not o.get("safe")}
@@ -359,8 +382,10 @@ def preflight_rows(hostvars, cluster, settings):
     for node in cluster["nodes"]:
         n = node["name"]
         if n in ok:
+            own = (node.get("network_env") or {}).get("NCCL_SOCKET_IFNAME", "")
             rows.append(_row("interface", n, *interface_verdict(
-                n, node["addr"], probe[n].get("interfaces") or {}, settings.get("ifname"))))
+                n, node["addr"], probe[n].get("interfaces") or {}, settings.get("ifname") or own)))
+            rows.append(_row("rank network", n, *rank_network_verdict(node, cluster)))
     rows += _clock_rows(names, mesh, master, settings)
     for n in names:
         ip = hv[n].get("__preflight_iperf")

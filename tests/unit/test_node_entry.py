@@ -338,3 +338,14 @@ def test_py_cpuinfo_runs_once_per_node_and_boot_and_every_later_call_reads_its_a
     module = cpuinfo_module()  # no TORCH_EXTENSIONS_DIR: once per process, nothing written
     entry.CpuInfoOnce(None, "boot-1")(module)
     assert module.get_cpu_info() and module.get_cpu_info() and len(calls) == 4
+
+
+def test_each_node_takes_its_own_value_of_the_per_node_settings():
+    """DeepSpeed's launch.py gives every rank CROSS_RANK (its node's place in the hostfile)."""
+    env = {"CROSS_RANK": "1", "DSC_NODE_NCCL_SOCKET_IFNAME": "eth0/ens5/eth0",
+           "DSC_NODE_NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1//mlx5_0:1", "NCCL_DEBUG": "WARN"}
+    entry.node_env(env)
+    assert env == {"CROSS_RANK": "1", "NCCL_SOCKET_IFNAME": "ens5", "NCCL_DEBUG": "WARN"}
+    env = {"DSC_NODE_NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1//mlx5_0:1"}  # no CROSS_RANK: one node, node 0
+    entry.node_env(env)
+    assert env == {"NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1"}

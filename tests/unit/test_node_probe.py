@@ -27,6 +27,32 @@ def test_probe_reports_interfaces_and_runs(tmp_path):
     assert [r["id"] for r in out["runs"]] == ["r1"]
 
 
+def sysfs(root, files):
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text + "\n")
+
+
+def test_the_probe_reads_each_rdma_port_and_the_roce_v2_gid_that_holds_an_ipv4_address(tmp_path):
+    """/sys/class/infiniband as the kernel lays it out (no RDMA device here: a copy of its
+    files): an InfiniBand port up, one down, and a RoCE port whose IPv4 GID is index 3."""
+    sysfs(tmp_path, {
+        "mlx5_0/ports/1/state": "4: ACTIVE", "mlx5_0/ports/1/link_layer": "InfiniBand",
+        "mlx5_1/ports/1/state": "1: DOWN", "mlx5_1/ports/1/link_layer": "InfiniBand",
+        "mlx5_2/ports/1/state": "4: ACTIVE", "mlx5_2/ports/1/link_layer": "Ethernet",
+        **{f"mlx5_2/ports/1/gid_attrs/types/{i}": kind
+           for i, kind in enumerate(["IB/RoCE v1", "RoCE v2", "IB/RoCE v1", "RoCE v2"])},
+        "mlx5_2/ports/1/gids/0": "fe80:0000:0000:0000:0a42:a1ff:fe2b:0c1e",
+        "mlx5_2/ports/1/gids/1": "fe80:0000:0000:0000:0a42:a1ff:fe2b:0c1e",
+        "mlx5_2/ports/1/gids/2": "0000:0000:0000:0000:0000:ffff:0a00:0005",
+        "mlx5_2/ports/1/gids/3": "0000:0000:0000:0000:0000:ffff:0a00:0005"})
+    assert probe.rdma(str(tmp_path)) == [
+        {"device": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand"},
+        {"device": "mlx5_1", "port": 1, "state": "DOWN", "link_layer": "InfiniBand"},
+        {"device": "mlx5_2", "port": 1, "state": "ACTIVE", "link_layer": "Ethernet", "gid_index": 3}]
+    assert probe.rdma(str(tmp_path / "none")) == []
+
+
 @pytest.mark.parametrize("release,ufw_conf,comms,want", [
     ('ID=debian\n', "ENABLED=yes\n", ["sshd", "bash"], {"os": ["debian"], "ufw": True, "firewalld": False}),
     ('ID="rocky"\nID_LIKE="rhel centos fedora"\n', "", ["systemd", "firewalld"],

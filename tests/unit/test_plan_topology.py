@@ -179,3 +179,48 @@ def test_provision_refuses_a_firewall_it_would_not_manage_alone(kw, message):
     # the other playbooks, or the firewall left to the site: no refusal
     assert firewalled(firewall=False, **kw)[1] == []
     assert firewalled(cluster_network_firewall=False, **kw)[1] == []
+
+
+IB = {"device": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand"}
+ROCE = {"device": "mlx5_2", "port": 1, "state": "ACTIVE", "link_layer": "Ethernet", "gid_index": 3}
+
+
+def network_plan(probes_of, **settings):
+    hostvars, groups, probes = cluster(n=3, **settings)
+    for name, change in probes_of.items():
+        probes[name].update(change)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+    assert errors == []
+    return p["rank_env"], {n["name"]: n["network_env"] for n in p["nodes"]}
+
+
+def test_each_node_gets_its_own_interface_when_the_names_differ():
+    same, _ = network_plan({})
+    assert same["NCCL_SOCKET_IFNAME"] == same["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert not any(k.startswith("DSC_NODE_") for k in same)
+    # node2 holds its address on ens5: every node's ranks take their own (the entry shim, by
+    # CROSS_RANK), not a list of every name, which would let a node pick another's
+    env, own = network_plan({"node2": {"interfaces": {"lo": ["127.0.0.1"], "ens5": ["10.0.0.12"],
+                                                      "eth0": ["192.168.9.2"]}}})
+    assert "NCCL_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in env
+    assert env["DSC_NODE_NCCL_SOCKET_IFNAME"] == env["DSC_NODE_GLOO_SOCKET_IFNAME"] == "eth0/ens5/eth0"
+    assert own["node2"] == {"NCCL_SOCKET_IFNAME": "ens5", "GLOO_SOCKET_IFNAME": "ens5"}
+    # dsc_rank_env's value wins on every node
+    env, own = network_plan({"node2": {"interfaces": {"lo": ["127.0.0.1"], "ens5": ["10.0.0.12"]}}},
+                            dsc_rank_env={"NCCL_SOCKET_IFNAME": "=bond0"})
+    assert env["NCCL_SOCKET_IFNAME"] == "=bond0" and "DSC_NODE_NCCL_SOCKET_IFNAME" not in env
+    assert env["DSC_NODE_GLOO_SOCKET_IFNAME"] == "eth0/ens5/eth0" and "NCCL_SOCKET_IFNAME" not in own["node2"]
+
+
+def test_rdma_ports_give_nccl_its_hcas_and_roce_its_gid_index():
+    down = dict(IB, device="mlx5_1", state="DOWN")
+    env, own = network_plan({n: {"infiniband": True, "rdma": [IB, down]} for n in ("node1", "node2", "node3")})
+    assert env["NCCL_IB_HCA"] == "mlx5_0:1" and env["NCCL_IB_DISABLE"] == "0"  # the port that is down left out
+    assert "NCCL_IB_GID_INDEX" not in env
+    env, own = network_plan({"node1": {"infiniband": True, "rdma": [ROCE]},
+                             "node2": {"infiniband": True, "rdma": [ROCE]},
+                             "node3": {"infiniband": True, "rdma": [dict(ROCE, device="mlx5_0", gid_index=1)]}})
+    assert env["DSC_NODE_NCCL_IB_HCA"] == "mlx5_2:1/mlx5_2:1/mlx5_0:1" and env["DSC_NODE_NCCL_IB_GID_INDEX"] == "3/3/1"
+    assert own["node3"]["NCCL_IB_GID_INDEX"] == "1"
+    env, _ = network_plan({})
+    assert "NCCL_IB_HCA" not in env and env["NCCL_IB_DISABLE"] == "1"

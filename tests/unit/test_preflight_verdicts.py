@@ -5,10 +5,13 @@ from pathlib import Path
 
 import pytest
 
+import dscplan
 from dscnode import checks
 from plugins.callback import dsc_progress
 from plugins.filter import cluster
 from plugins.filter import preflight
+from tests.unit.plan_helpers import DEFAULTS, PATHS
+from tests.unit.plan_helpers import cluster as plan_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +63,27 @@ def test_interface_verdicts(configured, interfaces, status):
 def test_loopback_answers_on_all_of_127_8(addr, configured, status):
     """Two nodes on one host: the loopback interface holds 127.0.0.1 and answers on 127.0.0.2."""
     assert preflight.interface_verdict("node2", addr, {"lo": ["127.0.0.1"]}, configured)[0] == status
+
+
+def test_the_rank_network_row_shows_each_nodes_own_settings_and_warns_of_an_rdma_port_down():
+    hostvars, groups, probes = plan_cluster(n=2)
+    probes["node2"]["interfaces"] = {"lo": ["127.0.0.1"], "ens5": ["10.0.0.12"]}
+    ib = {"device": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand"}
+    for name in probes:
+        probes[name].update(infiniband=True, rdma=[ib, dict(ib, device="mlx5_1", state="DOWN")])
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+    assert errors == []
+    status, detail, fix = preflight.rank_network_verdict(p["node"]["node2"], p)
+    assert status == "WARN" and detail.startswith(
+        "NCCL_SOCKET_IFNAME=ens5, GLOO_SOCKET_IFNAME=ens5, NCCL_IB_HCA=mlx5_0:1 (this node's own: "
+        "GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME differ between nodes)")
+    assert "mlx5_1/1 DOWN (InfiniBand)" in detail and "mlx5_1 port 1 is DOWN" in fix and "ibstat mlx5_1" in fix
+    for name in probes:
+        probes[name].update(rdma=[ib])
+    p, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+    assert preflight.rank_network_verdict(p["node"]["node1"], p) == (
+        "PASS", "NCCL_SOCKET_IFNAME=eth0, GLOO_SOCKET_IFNAME=eth0, NCCL_IB_HCA=mlx5_0:1 (this node's own: "
+        "GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME differ between nodes); RDMA mlx5_0/1 ACTIVE (InfiniBand)", "")
 
 
 @pytest.mark.parametrize("cuda,driver,status", [("13.0", "580.65.06", "PASS"), ("13.0", "570.1", "FAIL"),

@@ -28,6 +28,7 @@ import posixpath
 from dataclasses import asdict
 
 from dscnode import INSTALLED_PATH
+from dscnode.entry import NODE_ENV_PREFIX
 from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 
 from .deepspeed_config import batch, ds_config, precision, presets
@@ -64,7 +65,7 @@ from .settings import (
     templates_in,
     undeclared_settings,
 )
-from .topology import _firewall_backends, _nodes, node_order, training_address
+from .topology import _firewall_backends, _nodes, network_env, node_order, training_address
 
 # What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
 __all__ = ["_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
@@ -130,12 +131,23 @@ def _node_and_rank_env(s, nodes, prefix, install_root, secrets):
                 "TRITON_CACHE_DIR": f"{install_root}/cache/triton"}
     if caps:
         node_env["TORCH_CUDA_ARCH_LIST"] = ";".join(caps)
-    ifaces = ",".join(dict.fromkeys(n["iface"] for n in nodes))
-    rank_env = dict(node_env, NCCL_SOCKET_IFNAME=ifaces, GLOO_SOCKET_IFNAME=ifaces,
-                    NCCL_IB_DISABLE="0" if all(n["infiniband"] for n in nodes) else "1",
+    given = {str(k): str(v) for k, v in (s["dsc_rank_env"] or {}).items()}
+    rank_env = dict(node_env)
+    # Each node's own network settings (its record's network_env, which preflight shows); where
+    # they differ between nodes, the entry shim gives each node's ranks their own
+    # (NODE_ENV_PREFIX). dsc_rank_env's value wins everywhere.
+    own = {var: per_node for var, per_node in network_env(nodes).items() if var not in given}
+    for i, node in enumerate(nodes):
+        node["network_env"] = {var: per_node[i] for var, per_node in own.items()}
+    for var, per_node in own.items():
+        if len(set(per_node)) > 1:
+            rank_env[NODE_ENV_PREFIX + var] = "/".join(per_node)
+        elif per_node[0]:
+            rank_env[var] = per_node[0]
+    rank_env.update(NCCL_IB_DISABLE="0" if all(n["infiniband"] for n in nodes) else "1",
                     NCCL_DEBUG=str(s["dsc_nccl_debug"]),
                     DEEPSPEED_TIMEOUT=str(s["dsc_pg_timeout_min"]))
-    rank_env.update({str(k): str(v) for k, v in (s["dsc_rank_env"] or {}).items()})
+    rank_env.update(given)
     if secrets:  # the entry shim loads them from a 0600 file beside the run directory
         rank_env["DSC_SECRETS"] = "1"
     return accelerator, caps, node_env, rank_env

@@ -110,7 +110,8 @@ def _nodes(names, hostvars, defaults, probes, problems, probe_errors):
             "gpu_memory_mib": min((g.get("memory_mib") or 0 for g in gpus
                                    if not gpu_ids or int(g.get("index", -1)) in gpu_ids), default=0) or None,
             "iface": interface_for(addr, probe.get("interfaces") or {}),
-            "infiniband": bool(probe.get("infiniband")), "reachable": reachable,
+            "infiniband": bool(probe.get("infiniband")), "rdma": list(probe.get("rdma") or []),
+            "reachable": reachable,
             # Its SSH host keys ("type base64"), pinned in the master's known_hosts.
             "ssh_host_keys": list(probe.get("ssh_host_keys") or []),
             # Why the probe gave no report ("" where it did): preflight's unreachable row says it.
@@ -197,3 +198,19 @@ def interface_for(addr, interfaces):
     if holding:
         return holding[0]
     return "lo" if addr.startswith("127.") else ""
+
+
+def network_env(nodes):
+    """The ranks' network settings read from each node, {variable: [value per node, rank order]}:
+    the interface that holds its training address (NCCL's and gloo's), its ACTIVE RDMA ports
+    (NCCL_IB_HCA, where a node has one) and, for RoCE, the index of their IPv4 RoCE v2 GID
+    (NCCL_IB_GID_INDEX). A node without one gets ''."""
+    ifaces = [n["iface"] for n in nodes]
+    env = {"NCCL_SOCKET_IFNAME": ifaces, "GLOO_SOCKET_IFNAME": ifaces}
+    active = [[p for p in n.get("rdma") or [] if p.get("state") == "ACTIVE"] for n in nodes]
+    if any(active):
+        env["NCCL_IB_HCA"] = [",".join(f"{p['device']}:{p['port']}" for p in ports) for ports in active]
+    gids = [next((str(p["gid_index"]) for p in ports if p.get("gid_index") is not None), "") for ports in active]
+    if any(gids):
+        env["NCCL_IB_GID_INDEX"] = gids
+    return env
