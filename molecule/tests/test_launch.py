@@ -59,6 +59,36 @@ def test_rank_env_names_the_interface_holding_each_address(zero3_run, cluster):
         assert f"inet {h['ip']}/" in addr
 
 
+def rename_interface(cluster, node, old, new):
+    """ip link's rename (the link goes down for it), the default route put back on the new name."""
+    cluster.exec(node, f"r=$(ip route show default | sed 's/ dev [^ ]*//'); ip link set {old} down && "
+                       f"ip link set {old} name {new} && ip link set {new} up && "
+                       f"{{ [ -z \"$r\" ] || ip route replace $r dev {new}; }}")
+
+
+def test_a_node_whose_interface_has_another_name_gets_its_own(provisioned, cluster):
+    """The worker's training address on an interface of another name than the master's: each
+    node's ranks get their own NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (the entry shim, by
+    CROSS_RANK). gloo opens a device for each name it is given: one list for every node
+    (eth0,dsc9) fails on both nodes, so training across them proves each got its own."""
+    worker, run_id = cluster.names[1], "t-ifname"
+    for n in cluster.names:
+        cluster.exec(n, f"rm -rf /opt/dscluster/runs/{run_id}")
+    rename_interface(cluster, worker, "eth0", "dsc9")
+    try:
+        r = cluster.playbook("launch.yml", "-e", "preset=zero2", "-e", "follow=true", "-e", f"run_id={run_id}",
+                             *tc(steps=4, save_every=100))
+        assert r.returncode == 0, r.output[-6000:]
+        row = next(line for line in r.output.splitlines() if "rank network" in line and worker in line)
+        assert "NCCL_SOCKET_IFNAME=dsc9, GLOO_SOCKET_IFNAME=dsc9 (this node's own" in row, row
+        env = dscplan.parse_ds_env(cluster.exec(cluster.master, f"cat /opt/dscluster/runs/{run_id}/.deepspeed_env").stdout)
+        assert env["DSC_NODE_GLOO_SOCKET_IFNAME"] == env["DSC_NODE_NCCL_SOCKET_IFNAME"] == "eth0/dsc9"
+        assert "GLOO_SOCKET_IFNAME" not in env
+        assert cluster.run_status(run_id)["last"]["step"] == 4
+    finally:
+        rename_interface(cluster, worker, "dsc9", "eth0")
+
+
 def test_status_says_finished(zero3_run, cluster):
     r = cluster.playbook("status.yml", "-e", "run_id=t-zero3")
     assert r.returncode == 0, r.output[-3000:]
