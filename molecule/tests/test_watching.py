@@ -134,7 +134,8 @@ def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_i
         assert asked.returncode == 0, asked.output[-3000:]
         lines = asked.output.split("where each rank is (stacks/ in the run directory on each node):")[1].splitlines()
         assert odd in lines[1] and lines[2].strip(" \"'-,").startswith("rank") and cluster.master in lines[2], lines[:4]
-        figures("stacks", stalled=shown.output.split("at the stall:")[1].splitlines()[1:3], asked=lines[1:3])
+        assert f"is stopped (SIGSTOP, a debugger, a frozen cgroup): kill -CONT {victim} there" in lines[3], lines[:4]
+        figures("stacks", stalled=shown.output.split("at the stall:")[1].splitlines()[1:4], asked=lines[1:4])
         for n in cluster.names:
             saved = cluster.exec(n, f"ls {RUNS}/{run_id}/stacks/").stdout.split()
             assert sum(f.endswith(f"-{n}.json") for f in saved) >= 1, (n, saved)

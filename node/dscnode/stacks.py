@@ -155,7 +155,29 @@ def summary(reports):
     lines = [_group_line(members, where) for (_, where), members
              in sorted(odd.items(), key=lambda kv: (not kv[0][0], first(kv[1])))]
     common = [r for r in groups[main] if r["state"] != "stopped"]
-    return lines + ([_group_line(common, main)] if common else [])
+    return lines + ([_group_line(common, main)] if common else []) + [advice(ranks, main)]
+
+
+def advice(ranks, main):
+    """The fix to try, as preflight's rows give one: for the stopped ranks, the others waiting
+    on a rank elsewhere, every rank in one collective, or stacks py-spy could not read."""
+    stopped = [r for r in ranks if r["state"] == "stopped"]
+    if stopped:
+        r = stopped[0]
+        return (f"fix: rank {r.get('rank')} on {r['node']} is stopped (SIGSTOP, a debugger, a frozen "
+                f"cgroup): kill -CONT {r['pid']} there lets the run go on; stop.yml ends it")
+    unread = [r for r in ranks if r.get("error")]
+    if unread:
+        return f"fix: {unread[0]['error']}"
+    odd = sorted({r.get("rank") for r in ranks if place(r) != main})
+    if odd and WAITING.search(main.split(" (")[0]):
+        return (f"fix: the other ranks wait in {main.split(' (')[0]} for {_ranks_text(odd)}: its stack "
+                f"(stacks/ in the run directory) shows what holds it (I/O, a data loader, a hang in "
+                f"its own code); stop.yml, then resume.yml from the last checkpoint")
+    if not odd and WAITING.search(main.split(" (")[0]):
+        return ("fix: every rank waits in the same collective: a peer that left it or a network fault; "
+                "NCCL_DEBUG=INFO (dsc_nccl_debug) and preflight.yml's measurements name more")
+    return "fix: compare the ranks' stacks in stacks/ in the run directory"
 
 
 def at_stall(run_dir, run_id, hosts, py_spy):

@@ -49,7 +49,9 @@ def test_the_stopped_rank_is_named_first_with_its_node_then_where_the_others_wai
                {"node": "node2", "ranks": [rank(2, "sleeping", *WAITING), rank(3, "stopped", *FORWARD)]}]
     assert stacks.summary(reports) == [
         "rank 3 on node2 (stopped) in forward (train/run.py:88)",
-        f"ranks 0-2 on node1, node2 in all_reduce ({C10D}:2806)"]
+        f"ranks 0-2 on node1, node2 in all_reduce ({C10D}:2806)",
+        "fix: rank 3 on node2 is stopped (SIGSTOP, a debugger, a frozen cgroup): kill -CONT 1003 there "
+        "lets the run go on; stop.yml ends it"]
 
 
 def test_among_equal_groups_the_one_in_a_collective_is_where_the_others_wait():
@@ -57,17 +59,26 @@ def test_among_equal_groups_the_one_in_a_collective_is_where_the_others_wait():
     reports = [{"node": "node1", "ranks": [rank(0, "sleeping", *WAITING)]},
                {"node": "node2", "ranks": [rank(1, "running", *backward)]}]
     assert stacks.summary(reports) == ["rank 1 on node2 in backward (torch/_tensor.py:647)",
-                                       f"rank 0 on node1 in all_reduce ({C10D}:2806)"]
+                                       f"rank 0 on node1 in all_reduce ({C10D}:2806)",
+                                       "fix: the other ranks wait in all_reduce for rank 1: its stack (stacks/ "
+                                       "in the run directory) shows what holds it (I/O, a data loader, a hang "
+                                       "in its own code); stop.yml, then resume.yml from the last checkpoint"]
+    reports[1]["ranks"] = [rank(1, "sleeping", *WAITING)]
+    assert stacks.summary(reports)[1:] == [
+        "fix: every rank waits in the same collective: a peer that left it or a network fault; "
+        "NCCL_DEBUG=INFO (dsc_nccl_debug) and preflight.yml's measurements name more"]
 
 
 def test_a_stopped_rank_in_the_common_frame_is_still_named_and_unread_ranks_say_why():
     reports = [{"node": "node1", "ranks": [rank(0, "sleeping", *WAITING), rank(1, "stopped", *WAITING)]},
                {"node": "node2", "ranks": [rank(2, "sleeping", *WAITING), rank(4, "sleeping", *WAITING),
                                            rank(3, error="py-spy is not at /env/bin/py-spy")]}]
-    assert stacks.summary(reports) == [
+    assert stacks.summary(reports)[:3] == [
         f"rank 1 on node1 (stopped) in all_reduce ({C10D}:2806)",
         "rank 3 on node2: stack not read (py-spy is not at /env/bin/py-spy)",
         f"ranks 0, 2, 4 on node1, node2 in all_reduce ({C10D}:2806)"]
+    reports[0]["ranks"][1]["state"] = "sleeping"
+    assert stacks.summary(reports)[-1] == "fix: py-spy is not at /env/bin/py-spy"
     assert stacks.summary([{"node": "node1", "ranks": []}]) == ["no rank of the run is alive on the nodes read"]
 
 
