@@ -8,7 +8,8 @@ Multi-node, as preflight.yml runs it through launch.yml's path from the master:
 
 Bandwidth is reported as nccl-tests defines it for all-reduce: algbw = bytes / time and
 busbw = algbw x 2(n-1)/n, with the time of the slowest rank. The backend is DeepSpeed's for the
-accelerator (NCCL on GPUs, gloo on CPU). Rank 0 writes $DSC_RUN_DIR/allreduce.json.
+accelerator (NCCL on GPUs, gloo on CPU). Rank 0 writes $DSC_RUN_DIR/allreduce.json. With
+--pairs (doctor.yml) every pair of nodes is measured too, in rounds of disjoint pairs: "pairs".
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size")
     p.add_argument("--warmup", type=int, default=3, help="untimed all-reduces per size")
     p.add_argument("--out", default="", help="JSON result (default: $DSC_RUN_DIR/allreduce.json)")
+    p.add_argument("--pairs", action="store_true",
+                   help="then every pair of nodes in rounds (doctor.yml): one rank of each, --pair-size MiB")
+    p.add_argument("--pair-size", type=float, default=4.0, help="message size in MiB for --pairs")
     p.add_argument("--deepspeed_config", "--deepspeed-config", default="", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -86,16 +90,62 @@ def main(argv=None):
             print(f"all-reduce {n * 4:>12} B  {seconds * 1e6:>10.1f} us  algbw {algbw:8.3f} GB/s  "
                   f"busbw {busbw:8.3f} GB/s", flush=True)
 
+    pairs = measure_pairs(dist, acc, device, args) if args.pairs else None
     if rank == 0:
         result = {"world_size": world, "backend": dist.get_backend(), "device": str(device.type),
                   "iters": args.iters, "rows": rows,
-                  "busbw_gbps_max": max(r["busbw_gbps"] for r in rows)}
+                  "busbw_gbps_max": max(r["busbw_gbps"] for r in rows),
+                  **({"pairs": pairs} if pairs is not None else {})}
         out = Path(args.out or Path(os.environ.get("DSC_RUN_DIR", ".")) / RunDir.ALLREDUCE)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.rename(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def measure_pairs(dist, acc, device, args):
+    """Every pair of nodes (dscnode.pairs' rounds, the nodes in hostfile order: CROSS_RANK), the
+    two nodes' local rank 0 all-reducing --pair-size MiB in their own group while the round's other
+    pairs do the same; a world barrier between rounds. Every rank makes every group (new_group is
+    collective). Rank 0's answer: [{nodes: [i, j], time_us, busbw_gbps}]."""
+    from dscnode.pairs import pair_rounds  # noqa: PLC0415
+    rank = dist.get_rank()
+    me = (int(os.environ.get("CROSS_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), rank)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    first = {}  # node index -> the global rank of its local rank 0
+    for node, local, r in everyone:
+        if local == 0:
+            first[node] = r
+    rounds = pair_rounds(len(first))
+    groups = {p: dist.new_group([first[p[0]], first[p[1]]]) for one in rounds for p in one}
+    n = max(1, int(args.pair_size * 2**20) // 4)
+    buf = torch.zeros(n, dtype=torch.float32, device=device)
+    mine = []
+    for one in rounds:
+        for pair in one:
+            if rank in (first[pair[0]], first[pair[1]]):
+                for _ in range(args.warmup):
+                    dist.all_reduce(buf, group=groups[pair])
+                acc.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    dist.all_reduce(buf, group=groups[pair])
+                acc.synchronize()
+                seconds = (time.perf_counter() - t0) / args.iters
+                mine.append({"nodes": list(pair), "time_us": round(seconds * 1e6, 1),
+                             "busbw_gbps": round(bus_bandwidth(n * 4, seconds, 2)[1], 3)})
+        dist.barrier()
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    # Each pair measured by both of its ranks: the slower one's time counts.
+    slowest = {}
+    for row in (x for rows in found for x in rows):
+        key = tuple(row["nodes"])
+        if key not in slowest or row["time_us"] > slowest[key]["time_us"]:
+            slowest[key] = row
+    return [dict(slowest[k], bytes=n * 4) for k in sorted(slowest)]
 
 
 if __name__ == "__main__":

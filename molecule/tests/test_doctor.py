@@ -1,0 +1,64 @@
+"""doctor.yml on four more nodes of the test network, started from the provisioned image (the main
+cluster's network, control key and image) and made one cluster by `provision.yml --tags network`:
+one node's NIC made slow and one link between two others made slow, both with tc's htb (this
+machine's kernel has no netem), and doctor.yml names that node and that link, nothing else."""
+import json
+from pathlib import Path
+
+import pytest
+
+import cluster as tc
+
+NODES = [{"name": f"doc{i}", "ip": tc.addr(40 + i), "ip6": tc.addr6(40 + i), "port": 22} for i in (1, 2, 3, 4)]
+REPORTS = Path.home() / ".dscluster" / "reports"
+
+
+def shape(cluster, node, rate, to=None):
+    """Egress of the node's eth0 at `rate` (to one address only, with `to`), htb's classes and a
+    u32 filter: everything else at full speed."""
+    cmds = ["tc qdisc add dev eth0 root handle 1: htb default 10",
+            "tc class add dev eth0 parent 1: classid 1:10 htb rate 10gbit",
+            f"tc class add dev eth0 parent 1: classid 1:20 htb rate {rate}"]
+    match = f"u32 match ip dst {to}/32" if to else "u32 match u32 0 0"
+    cmds.append(f"tc filter add dev eth0 protocol ip parent 1: prio 1 {match} flowid 1:20")
+    cluster.exec(node, " && ".join(cmds))
+
+
+@pytest.fixture(scope="module")
+def doctor_nodes(cluster, node_image, tmp_path_factory):
+    where = tmp_path_factory.mktemp("doctor")
+    containers = [tc.PREFIX + h["name"] for h in NODES]
+    pub = (tc.STATE / "id_ed25519.pub").read_text()
+    try:
+        for h in NODES:
+            tc.start(tc.PREFIX + h["name"], h["name"], h["ip"], h["ip6"], 22, node_image[0])
+        known = [f"{h['ip']} {tc.authorize(tc.PREFIX + h['name'], pub)}" for h in NODES]
+        (where / "known_hosts").write_text("\n".join(known) + "\n")
+        tc.write_inventory(NODES, inv=where / "inventory", known_hosts=where / "known_hosts")
+        tc.wait_ssh(NODES, known_hosts=where / "known_hosts")
+        r = cluster.playbook("provision.yml", "--tags", "network", inventory=where / "inventory")
+        assert r.returncode == 0, r.output[-5000:]
+        yield where / "inventory"
+    finally:
+        tc.sh("podman", "rm", "-f", "-t", "0", *containers, check=False)
+
+
+def test_doctor_names_the_slow_node_and_the_slow_link(doctor_nodes, cluster, figures):
+    ip = {h["name"]: h["ip"] for h in NODES}
+    shape(cluster, "doc4", "40mbit")  # doc4's NIC: every pair with it
+    shape(cluster, "doc1", "40mbit", to=ip["doc2"])  # the doc1 - doc2 link, both ways
+    shape(cluster, "doc2", "40mbit", to=ip["doc1"])
+    r = cluster.playbook("doctor.yml", inventory=doctor_nodes)
+    assert r.returncode == 0, r.output[-6000:]
+    report = json.loads((REPORTS / "doctor-testcluster-latest.json").read_text())
+    assert report["rounds"] == [[["doc1", "doc4"], ["doc2", "doc3"]], [["doc1", "doc3"], ["doc2", "doc4"]],
+                                [["doc1", "doc2"], ["doc3", "doc4"]]]
+    found = [(f["kind"], f["subject"]) for f in report["findings"]]
+    assert found == [("node", "doc4"), ("link", "doc1-doc2")], report["findings"]
+    slow = {f"{p['a']}-{p['b']}" for p in report["pairs"] if p["slow"]}
+    assert slow == {"doc1-doc4", "doc2-doc4", "doc3-doc4", "doc1-doc2"}, report["pairs"]
+    for p in report["pairs"]:  # both measurements ran for every pair
+        assert p["iperf_gbps"] and p["allreduce_gbps"], p
+    assert "NODE doc4: every pair with it is slow" in r.output and "LINK doc1-doc2: slow alone" in r.output
+    figures("doctor", seconds=round(r.seconds, 1), median=report["median"],
+            pairs={f"{p['a']}-{p['b']}": [p["iperf_gbps"], p["allreduce_gbps"]] for p in report["pairs"]})
