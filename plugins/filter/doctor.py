@@ -31,6 +31,11 @@ def rounds_by_name(names):
     return [[[names[i], names[j]] for i, j in one] for one in pair_rounds(len(names))]
 
 
+def times(ratio):
+    """A ratio to the median in words: two decimals, two significant digits below 0.1."""
+    return f"{ratio:.2g}x" if ratio < 0.1 else f"{ratio:.2f}x"
+
+
 def cluster_median(names, pairs, key):
     """The median over the nodes of each node's best pair figure (None where none was measured)."""
     bests = [max((p[key] for p in pairs if n in (p["a"], p["b"]) and p[key] is not None), default=None)
@@ -48,7 +53,7 @@ def _slow(pair, median):
         if value is None and pair.get(key.replace("_gbps", "_error")):
             why.append(f"{label} failed: {pair[key.replace('_gbps', '_error')]}")
         elif value is not None and median.get(key) and value < SLOW * median[key]:
-            why.append(f"{label} {value:g} {unit} = {value / median[key]:.2f}x the median")
+            why.append(f"{label} {value:g} {unit} = {times(value / median[key])} the median")
     return why
 
 
@@ -70,7 +75,7 @@ def doctor_report(args):
     for p in pairs:
         p["slow"] = _slow(p, median)
         for key, _, _ in METRICS:
-            p[key.replace("_gbps", "_of_median")] = (round(p[key] / median[key], 2)
+            p[key.replace("_gbps", "_of_median")] = (round(p[key] / median[key], 4)
                                                       if p[key] is not None and median[key] else None)
     return {"nodes": names, "rounds": rounds_by_name(names), "pairs": pairs, "median": median,
             "slow_below": SLOW, "findings": findings(names, pairs, error)}
@@ -110,7 +115,7 @@ def findings(names, pairs, error):
 def doctor_table(report):
     def cell(p, key, unit):
         value, ratio = p[key], p[key.replace("_gbps", "_of_median")]
-        return f"{value:g} {unit} ({ratio:.2f}x median)" if value is not None else "failed"
+        return f"{value:g} {unit} ({times(ratio)} median)" if value is not None else "failed"
     lines = ["pair | iperf3 | all-reduce (busbw) | verdict"]
     for p in report["pairs"]:
         lines.append(" | ".join([f"{p['a']}-{p['b']}", cell(p, "iperf_gbps", "Gbit/s"),

@@ -56,13 +56,14 @@ def test_a_node_all_of_whose_pairs_are_slow_is_named_and_a_pair_slow_alone_is_th
     r = report(NAMES, slow=[("n1", "n4"), ("n2", "n4"), ("n3", "n4"), ("n1", "n2")])
     assert kinds(r) == [("node", "n4"), ("link", "n1-n2")]
     node, link = r["findings"]
-    assert node["detail"].startswith("every pair with it is slow (n1: iperf3 0.33 Gbit/s = 0.03x the median")
+    assert node["detail"].startswith("every pair with it is slow (n1: iperf3 0.33 Gbit/s = 0.033x the median")
     assert "ip -s link" in node["fix"] and "ping -M do" in link["fix"]
-    assert link["detail"].startswith("slow alone (iperf3 0.33 Gbit/s = 0.03x the median") and \
+    assert link["detail"].startswith("slow alone (iperf3 0.33 Gbit/s = 0.033x the median") and \
         link["detail"].endswith("n1 and n2 are fast with the other nodes")
     lines = doctor.doctor_table(r)
     assert lines[0] == "pair | iperf3 | all-reduce (busbw) | verdict"
-    assert "n1-n4 | 0.33 Gbit/s (0.03x median) | 0.0375 GB/s (0.03x median) | SLOW" in lines
+    assert "n1-n4 | 0.33 Gbit/s (0.033x median) | 0.0375 GB/s (0.033x median) | SLOW" in lines
+    assert "n1-n3 | 9.9 Gbit/s (1.00x median) | 1.125 GB/s (1.00x median) | ok" in lines
     assert lines[-2].startswith("NODE n4: every pair with it is slow") and lines[-1].startswith("LINK n1-n2")
 
 
