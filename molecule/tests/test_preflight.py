@@ -39,7 +39,9 @@ def test_healthy_cluster_passes_with_network_figures(provisioned, cluster, tmp_p
     assert all(abs(x["busbw_gbps"] - x["algbw_gbps"]) < 1e-3 for x in ar["rows"])
     figures("preflight", iperf3_gbit_s={k: v["gbps"] for k, v in iperf.items()},
             allreduce_busbw_gb_s={x["bytes"]: x["busbw_gbps"] for x in ar["rows"]})
-    assert len(rep["checks"]) == 36 and "36 passed, 0 warnings, 0 failed" in r.output
+    assert len(rep["checks"]) == 38 and "38 passed, 0 warnings, 0 failed" in r.output
+    network = {x["node"]: x["detail"] for x in rows(rep, "rank network", "PASS")}
+    assert network == {n: "NCCL_SOCKET_IFNAME=eth0, GLOO_SOCKET_IFNAME=eth0" for n in cluster.names}, network
     # The all-reduce's run directory is not left behind to be taken for a training run.
     left = cluster.exec(cluster.master, "ls /opt/dscluster/runs | grep -c '^preflight-' || true").stdout.strip()
     assert left == "0"

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from dscnode.procs import on_others, procs, ranks_of
+from dscnode.procs import Blind, on_others, procs, ranks_of
 from dscnode.rundir import RunDir, read_json, write_atomic
 
 # /proc/PID/stat's state letters, in words.
@@ -70,7 +70,11 @@ def collect(run_dir, run_id, py_spy, node=None):
     frames | error}]}, written to the run directory's stacks/ (when it exists) and returned."""
     node = node or socket.gethostname()
     ranks = []
-    for p in ranks_of(procs(run_id)):
+    try:
+        found = ranks_of(procs(run_id))
+    except Blind as e:
+        return {"node": node, "time": round(time.time(), 3), "ranks": [], "error": str(e)}
+    for p in found:
         try:
             ids = rank_env(p["pid"])
         except OSError:
@@ -82,7 +86,7 @@ def collect(run_dir, run_id, py_spy, node=None):
     if os.path.isdir(run_dir):
         (run / RunDir.STACKS).mkdir(exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(report["time"]))
-        path = run / RunDir.STACKS / f"{stamp}-{node}.json"
+        path = run / RunDir.STACKS / f"{stamp}-{re.sub(r'[^A-Za-z0-9_.-]', '_', node)}.json"
         write_atomic(path, json.dumps(report) + "\n")
         report["saved"] = str(path)
     return report
@@ -136,9 +140,10 @@ def summary(reports):
     rest), each group with its nodes and state, then the frame most of the others wait in (among
     equal groups, a collective's). A stopped rank is odd wherever it is. E.g. "rank 1 on node2
     (stopped) in forward (run.py:88)", "rank 0 on node1 in all_reduce (...)"."""
+    unread = [f"{rep['node']}: stacks not read ({rep['error']})" for rep in reports if rep.get("error")]
     ranks = [dict(r, node=rep["node"]) for rep in reports for r in rep.get("ranks", [])]
     if not ranks:
-        return ["no rank of the run is alive on the nodes read"]
+        return unread + ["no rank of the run is alive on the nodes read"]
     first = lambda rs: min(r.get("rank", 0) for r in rs)  # noqa: E731
     groups = {}
     for r in ranks:
@@ -155,7 +160,7 @@ def summary(reports):
     lines = [_group_line(members, where) for (_, where), members
              in sorted(odd.items(), key=lambda kv: (not kv[0][0], first(kv[1])))]
     common = [r for r in groups[main] if r["state"] != "stopped"]
-    return lines + ([_group_line(common, main)] if common else []) + [advice(ranks, main)]
+    return unread + lines + ([_group_line(common, main)] if common else []) + [advice(ranks, main)]
 
 
 def advice(ranks, main):

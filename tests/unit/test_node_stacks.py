@@ -80,6 +80,9 @@ def test_a_stopped_rank_in_the_common_frame_is_still_named_and_unread_ranks_say_
     reports[0]["ranks"][1]["state"] = "sleeping"
     assert stacks.summary(reports)[-1] == "fix: py-spy is not at /env/bin/py-spy"
     assert stacks.summary([{"node": "node1", "ranks": []}]) == ["no rank of the run is alive on the nodes read"]
+    # a node whose report is not a report (pdsh's own error, a helper that could not look)
+    assert stacks.summary([{"node": "node2", "ranks": [], "error": "ssh: connect to host node2: refused"},
+                           reports[0]])[0] == "node2: stacks not read (ssh: connect to host node2: refused)"
 
 
 def test_at_a_stall_the_summary_goes_to_the_log_and_into_stalled_json(tmp_path, capsys):
