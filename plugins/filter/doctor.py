@@ -91,8 +91,10 @@ def findings(names, pairs, error):
                     "detail": f"{'failed to join' if node else 'did not run'}: {error}",
                     "fix": "preflight.yml checks that node's env, versions, interface and the master port"})
     if len(names) < 3:
-        out.append({"kind": "none", "subject": "cluster", "detail": f"{len(names)} nodes: one pair, nothing "
-                    "to compare it with", "fix": "a third node tells a slow node from a slow link"})
+        out.append({"kind": "none", "subject": "cluster",
+                    "detail": "two nodes: one pair, nothing to compare it with" if len(names) == 2 else
+                              "one node: no pair to measure",
+                    "fix": "a third node tells a slow node from a slow link"})
         return out
     slow = [p for p in pairs if p["slow"]]
     culprits = [n for n in names if all(p["slow"] for p in pairs if n in (p["a"], p["b"]))]
