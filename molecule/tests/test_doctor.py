@@ -1,7 +1,8 @@
 """doctor.yml on four more nodes of the test network, started from the provisioned image (the main
 cluster's network, control key and image) and made one cluster by `provision.yml --tags network`:
-one node's NIC made slow and one link between two others made slow, both with tc's htb (this
-machine's kernel has no netem), and doctor.yml names that node and that link, nothing else."""
+one node made lossy (10 % of what it sends dropped, iptables' statistic match) and one link
+between two others made slow (tc's htb on both ends; this machine's kernel has no netem, so no
+delay), and doctor.yml names that node and that link, nothing else."""
 import json
 from pathlib import Path
 
@@ -13,15 +14,14 @@ NODES = [{"name": f"doc{i}", "ip": tc.addr(40 + i), "ip6": tc.addr6(40 + i), "po
 REPORTS = Path.home() / ".dscluster" / "reports"
 
 
-def shape(cluster, node, rate, to=None):
-    """Egress of the node's eth0 at `rate` (to one address only, with `to`), htb's classes and a
-    u32 filter: everything else at full speed."""
-    cmds = ["tc qdisc add dev eth0 root handle 1: htb default 10",
-            "tc class add dev eth0 parent 1: classid 1:10 htb rate 10gbit",
-            f"tc class add dev eth0 parent 1: classid 1:20 htb rate {rate}"]
-    match = f"u32 match ip dst {to}/32" if to else "u32 match u32 0 0"
-    cmds.append(f"tc filter add dev eth0 protocol ip parent 1: prio 1 {match} flowid 1:20")
-    cluster.exec(node, " && ".join(cmds))
+def shape(cluster, node, rate, to):
+    """Egress of the node's eth0 to one address at `rate` (htb's classes and a u32 filter):
+    everything else at full speed."""
+    cluster.exec(node, " && ".join([
+        "tc qdisc add dev eth0 root handle 1: htb default 10",
+        "tc class add dev eth0 parent 1: classid 1:10 htb rate 10gbit",
+        f"tc class add dev eth0 parent 1: classid 1:20 htb rate {rate}",
+        f"tc filter add dev eth0 protocol ip parent 1: prio 1 u32 match ip dst {to}/32 flowid 1:20"]))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def doctor_nodes(cluster, node_image, tmp_path_factory):
 
 def test_doctor_names_the_slow_node_and_the_slow_link(doctor_nodes, cluster, figures):
     ip = {h["name"]: h["ip"] for h in NODES}
-    shape(cluster, "doc4", "40mbit")  # doc4's NIC: every pair with it
+    # doc4 loses a tenth of what it sends, to every node
+    cluster.exec("doc4", "iptables -I OUTPUT 1 -o eth0 -m statistic --mode random --probability 0.1 -j DROP")
     shape(cluster, "doc1", "40mbit", to=ip["doc2"])  # the doc1 - doc2 link, both ways
     shape(cluster, "doc2", "40mbit", to=ip["doc1"])
     r = cluster.playbook("doctor.yml", inventory=doctor_nodes)

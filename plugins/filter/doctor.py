@@ -21,7 +21,8 @@ from dscnode.pairs import pair_rounds
 SLOW = 0.5
 METRICS = (("iperf_gbps", "iperf3", "Gbit/s"), ("allreduce_gbps", "all-reduce", "GB/s"))
 NODE_FIX = ("check that node's network: `ip -s link` (errors, drops), `ethtool <nic>` (speed, "
-            "duplex), `tc qdisc show` (a shaper or netem left behind), its CPU load and NIC firmware")
+            "duplex), `tc qdisc show` (a shaper or netem left behind), `iptables -S` (a rule dropping "
+            "packets), its CPU load and NIC firmware")
 LINK_FIX = ("check the path between those two: the switch port or cable, a route or rule between their "
             "addresses (`ip route get`, `tc filter show`, the firewall), an MTU mismatch "
             "(`ping -M do -s 8972` between them)")
