@@ -225,10 +225,21 @@ def root_path_report(install_root, run_root, data_dir, train_user):
     return [dict(e, chain=path_chain(e["path"])) for e in root_paths(install_root, run_root, data_dir, home)]
 
 
+def memory_mib():
+    """The node's memory (MemTotal, MiB; None where /proc/meminfo does not say): Slurm's RealMemory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def probe(run_root="", existing="", install_root="", data_dir="", train_user=""):
     """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
     ib = Path("/sys/class/infiniband")
-    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "cpu": cpu_identity(), "gpus": gpus(),
+    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "memory_mib": memory_mib(), "cpu": cpu_identity(), "gpus": gpus(),
             "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
             "runs": runs(run_root) if run_root else [],
             "run_root_links": links(run_root) if run_root else [],

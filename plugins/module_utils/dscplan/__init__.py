@@ -65,6 +65,7 @@ from .settings import (
     templates_in,
     undeclared_settings,
 )
+from .slurm import slurm_plan, slurm_problems
 from .topology import _firewall_backends, _nodes, network_env, node_order, training_address
 
 # What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
@@ -203,6 +204,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         master_port_first=int(s["dsc_master_port"]),
         master_port_last=int(s["dsc_master_port_last"]),
         launch_mode=s["dsc_launch_mode"],
+        slurm=slurm_plan(s, str(s["dsc_cluster_name"]), nodes, probes),
         firewall=as_bool(s["cluster_network_firewall"]),
         ssh_sources=s["cluster_network_ssh_sources"],
         node_env=node_env, rank_env=rank_env,
@@ -239,6 +241,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems, probe_errors or {})
     _firewall_backends(nodes, probes, s, firewall, problems)
+    slurm_problems(s, f"on host {names[0]}", problems)
     _check_nodes(nodes, s, hostvars, probes, full_run, problems)
     env_owner = _existing_env_owner(s, nodes, probes, problems)
     if problems.messages:
