@@ -4,6 +4,7 @@ reached over SSH as the cluster's nodes are: `provision.yml --tags network,slurm
 training user, the firewall and Slurm alone; no torch on these nodes). The containers give slurmd
 no cgroup tree of its own: dsc_slurm_cgroup false (proctrack/linuxproc)."""
 import hashlib
+import json
 import subprocess
 from pathlib import Path
 
@@ -67,3 +68,19 @@ def test_a_second_provision_changes_nothing(slurm_nodes, cluster):
     assert again.returncode == 0, again.output[-5000:]
     changed = [block.splitlines()[0] for block in again.output.split("TASK [")[1:] if "changed: [" in block]
     assert all(again.recap[h["name"]]["changed"] == 0 for h in NODES), changed
+
+
+def test_preflight_names_the_node_whose_slurmd_is_stopped(slurm_nodes, cluster):
+    """preflight's fast checks (no all-reduce: these nodes have no env, whose rows fail too)."""
+    cluster.exec("slu2", "systemctl stop slurmd")
+    try:
+        r = cluster.playbook("preflight.yml", "-e", "preflight_full=false", inventory=slurm_nodes["inventory"])
+    finally:
+        cluster.exec("slu2", "systemctl start slurmd")
+    assert r.returncode != 0 and "Preflight failed" in r.output, r.output[-4000:]
+    report = json.loads((Path.home() / ".dscluster" / "reports" / "preflight-testcluster-latest.json").read_text())
+    rows = {(x["check"], x["node"]): (x["status"], x["detail"]) for x in report["checks"]}
+    assert rows[("munge", "slu1")][0] == rows[("munge", "slu2")][0] == "PASS", rows
+    assert rows[("slurm", "slu1")] == ("PASS", "slurmd answers; idle in partition dsc"), rows
+    assert rows[("slurm", "slu2")][0] == "FAIL" and rows[("slurm", "slu2")][1].startswith("slurmd does not answer"), rows
+    assert "systemctl status slurmd on slu2" in r.output

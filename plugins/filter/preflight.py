@@ -11,6 +11,7 @@ DEEPSPEED_FACTS' failure modes; a check that could not run says why.
 from __future__ import annotations
 
 import json
+import re
 
 # The oldest Linux driver each CUDA major release runs on (minor-version compatibility, from
 # NVIDIA's CUDA toolkit release notes, table 2).
@@ -397,6 +398,74 @@ def preflight_rows(hostvars, cluster, settings):
             rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {ip.get('error')}",
                              "install iperf3 (base_packages) and allow the cluster's addresses"))
     rows += _allreduce_rows(hv[master].get("__preflight_allreduce"))
+    if (cluster.get("slurm") or {}).get("install"):
+        rows += slurm_rows(cluster, {n: hv[n].get("__preflight_slurm") for n in ok})
+    return rows
+
+
+SLURM_READY = ("idle", "mixed", "allocated", "completing")
+
+
+def _answers(registered):
+    """{name: (rc, text)} of roles/preflight/tasks/slurm.yml's loop; a skipped read is absent."""
+    out = {}
+    for r in (registered or {}).get("results") or []:
+        if not r.get("skipped"):
+            text = (r.get("stdout") or "").strip() if r.get("rc") == 0 else \
+                (r.get("stderr") or r.get("msg") or "").strip().splitlines()[-1:] or [f"exit {r.get('rc')}"]
+            out[r["item"]["name"]] = (r.get("rc"), text if isinstance(text, str) else text[0])
+    return out
+
+
+def slurm_rows(cluster, registered):
+    """Per node, the Slurm the toolkit installed (dsc_slurm_install): "munge" (the master's
+    credential read there: the one key) and "slurm" (its slurmd answers, slurmctld lists it ready in
+    the partition, with as many GPUs as gres as the plan gives it). `registered`: {node: the
+    registered loop of roles/preflight/tasks/slurm.yml}, for the nodes that answered preflight."""
+    master, partition = cluster["master"], cluster["slurm"]["partition"]
+    answers = {n: _answers(r) for n, r in registered.items()}
+    rc, text = answers.get(master, {}).get("sinfo", (None, "not asked"))
+    listed = {}
+    for line in text.splitlines() if rc == 0 else []:
+        name, state, gres, reason = (line.split("|") + ["", "", ""])[:4]
+        listed[name] = (state, gres, reason)
+    rows = []
+    if rc != 0:
+        rows.append(_row("slurm", master, "FAIL", f"sinfo on {master} fails: {text}",
+                         f"systemctl status slurmctld on {master} and /var/log/slurm/slurmctld.log"))
+    for node in cluster["nodes"]:
+        n = node["name"]
+        if n not in answers:
+            continue
+        mrc, mtext = answers[n].get("unmunge", (None, "not asked"))
+        rows.append(_row("munge", n, "PASS" if mrc == 0 else "FAIL",
+                         f"a credential made on {master} verified" if mrc == 0 else f"unmunge: {mtext}",
+                         f"the cluster's one key in /etc/munge/munge.key and munge running on {n} and "
+                         f"{master}: provision.yml --tags slurm copies it"))
+        drc, dtext = answers[n].get("slurmd", (None, "not asked"))
+        want = len(node.get("gpu_ids") or []) or node.get("gpus", 0)
+        if drc != 0:
+            rows.append(_row("slurm", n, "FAIL", f"slurmd does not answer: {dtext}",
+                             f"systemctl status slurmd on {n} and /var/log/slurm/slurmd.log; "
+                             f"systemctl restart slurmd"))
+        elif rc != 0:
+            continue
+        elif n not in listed:
+            rows.append(_row("slurm", n, "FAIL", f"slurmctld does not list {n} in partition {partition}",
+                             "provision.yml --tags slurm (slurm.conf from the inventory)"))
+        else:
+            state, gres, reason = listed[n]
+            have = sum(int(x) for x in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", gres))
+            if state not in SLURM_READY:
+                rows.append(_row("slurm", n, "FAIL", f"{state} in partition {partition}"
+                                 + (f": {reason}" if reason and reason != "none" else ""),
+                                 f"fix that reason on {n}, then `scontrol update nodename={n} state=resume`"))
+            elif have != want:
+                rows.append(_row("slurm", n, "FAIL", f"Slurm gives gpu:{have}, the plan {want} (nvidia-smi, "
+                                 f"dsc_gpus)", "provision.yml --tags slurm (gres.conf from the probe)"))
+            else:
+                rows.append(_row("slurm", n, "PASS", f"slurmd answers; {state} in partition {partition}"
+                                 + (f", gres gpu:{have}" if have else "")))
     return rows
 
 

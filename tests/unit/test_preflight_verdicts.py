@@ -226,3 +226,53 @@ def test_follow_and_status_say_a_jit_op_build_is_the_wait_before_the_first_step(
         f"run r1: running, {note}, 0:01:10 so far, elapsed 0:01:40, ranks alive 2 on node1")
     assert filters.status_row(status).endswith(f"memory - GiB, {note}")
     assert "building" not in filters.status_row(dict(status, op_build=None))
+
+
+def _slurm_reads(unmunge=0, slurmd=0, sinfo=None, err="Invalid credential"):
+    def one(name, rc, out=""):
+        return {"item": {"name": name}, "rc": rc, "stdout": out if rc == 0 else "",
+                "stderr": "" if rc == 0 else f"{name}: Error: {err}"}
+    results = [one("unmunge", unmunge), one("slurmd", slurmd)]
+    results.append(one("sinfo", 0, sinfo) if sinfo is not None else {"item": {"name": "sinfo"}, "skipped": True})
+    return {"results": results}
+
+
+SLURM_CLUSTER = {"master": "node1", "slurm": {"install": True, "partition": "dsc"},
+                 "nodes": [{"name": "node1", "gpus": 4, "gpu_ids": []}, {"name": "node2", "gpus": 4, "gpu_ids": [0, 1]}]}
+
+
+def test_slurm_rows_pass_with_the_key_slurmd_state_and_gpus():
+    rows = preflight.slurm_rows(SLURM_CLUSTER, {
+        "node1": _slurm_reads(sinfo="node1|idle|gpu:4|none\nnode2|allocated|gpu:2(S:0)|none"),
+        "node2": _slurm_reads()})
+    assert [(r["check"], r["node"], r["status"]) for r in rows] == [
+        ("munge", "node1", "PASS"), ("slurm", "node1", "PASS"), ("munge", "node2", "PASS"), ("slurm", "node2", "PASS")]
+    assert rows[3]["detail"] == "slurmd answers; allocated in partition dsc, gres gpu:2"
+
+
+def test_slurm_rows_name_the_bad_key_the_stopped_slurmd_the_down_node_and_the_gpu_count():
+    rows = preflight.slurm_rows(SLURM_CLUSTER, {
+        "node1": _slurm_reads(sinfo="node1|down*|gpu:4|Not responding\nnode2|idle|gpu:4|none"),
+        "node2": _slurm_reads(unmunge=1, slurmd=1, err="Connection refused")})
+    by = {(r["check"], r["node"]): r for r in rows}
+    assert by[("slurm", "node1")]["detail"] == "down* in partition dsc: Not responding"
+    assert "scontrol update nodename=node1 state=resume" in by[("slurm", "node1")]["fix"]
+    assert by[("munge", "node2")]["status"] == "FAIL" and "unmunge: unmunge: Error" in by[("munge", "node2")]["detail"]
+    assert by[("slurm", "node2")]["detail"].startswith("slurmd does not answer: slurmd: Error: Connection refused")
+    assert "systemctl status slurmd on node2" in by[("slurm", "node2")]["fix"]
+    rows = preflight.slurm_rows(SLURM_CLUSTER, {"node1": _slurm_reads(sinfo="node1|idle|gpu:4|none\nnode2|idle|gpu:4|none"),
+                                                "node2": _slurm_reads()})
+    assert [r["detail"] for r in rows if r["status"] == "FAIL"] == ["Slurm gives gpu:4, the plan 2 (nvidia-smi, dsc_gpus)"]
+
+
+def test_slurm_rows_a_node_slurmctld_does_not_list_and_a_controller_that_does_not_answer():
+    rows = preflight.slurm_rows(SLURM_CLUSTER, {"node1": _slurm_reads(sinfo="node1|idle|gpu:4|none"),
+                                                "node2": _slurm_reads()})
+    assert [r["detail"] for r in rows if r["status"] == "FAIL"] == ["slurmctld does not list node2 in partition dsc"]
+    down = _slurm_reads(sinfo="")
+    down["results"][2] = {"item": {"name": "sinfo"}, "rc": 1, "stdout": "",
+                          "stderr": "sinfo: error: Unable to contact slurm controller (connect failure)"}
+    rows = preflight.slurm_rows(SLURM_CLUSTER, {"node1": down, "node2": _slurm_reads()})
+    assert rows[0]["status"] == "FAIL" and "Unable to contact slurm controller" in rows[0]["detail"]
+    assert "systemctl status slurmctld on node1" in rows[0]["fix"]
+    assert [r["check"] for r in rows[1:]] == ["munge", "munge"]  # no slurm row without slurmctld's answer
