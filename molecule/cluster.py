@@ -130,12 +130,22 @@ def start(name, hostname, ip, ip6, port, image=IMAGE):
        f"&& /usr/sbin/sshd -p {port} && exec sleep infinity")
 
 
-def start_systemd(name, hostname, ip, ip6):
+def start_systemd(name, hostname, ip, ip6, image=SYSTEMD_IMAGE):
     """A node of the systemd image on the test network: systemd starts dbus, firewalld and sshd
     (port 22, host keys made at its start). NET_ADMIN is what firewalld needs of the kernel."""
     sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
        "--network", NETWORK, "--ip", ip, "--ip6", ip6,
-       "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--cap-add", "AUDIT_WRITE", SYSTEMD_IMAGE)
+       "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--cap-add", "AUDIT_WRITE", image)
+
+
+def systemd_image(base):
+    """The systemd layer (molecule/node-systemd.Containerfile) on `base` (the provisioned image:
+    its env, torch and DeepSpeed's ops), built once per base: `<base>-systemd`."""
+    tag = f"{base}-systemd"
+    if sh("podman", "image", "exists", tag, check=False).returncode != 0:
+        sh("podman", "build", "-q", "--network=host", "--build-arg", f"BASE={base}", "-t", tag,
+           "-f", str(ROOT / "molecule" / "node-systemd.Containerfile"), str(ROOT / "molecule"))
+    return tag
 
 
 def authorize(container, pub, timeout=60):

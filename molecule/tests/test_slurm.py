@@ -1,10 +1,12 @@
 """Slurm installed by the toolkit (dsc_slurm_install, roles/slurm) on two more nodes of the test
-network that run systemd (molecule/node-systemd.Containerfile), behind the toolkit's firewalld,
-reached over SSH as the cluster's nodes are: `provision.yml --tags network,slurm` (the plan, the
-training user, the firewall and Slurm alone; no torch on these nodes). The containers give slurmd
-no cgroup tree of its own: dsc_slurm_cgroup false (proctrack/linuxproc)."""
+network that run systemd (molecule/node-systemd.Containerfile on the provisioned image: its env,
+torch and DeepSpeed), behind the toolkit's firewalld, reached over SSH as the cluster's nodes are:
+`provision.yml --tags network,slurm` (the plan, the training user, the firewall and Slurm alone),
+then runs launched through Slurm (dsc_launch_mode slurm). The containers give slurmd no cgroup
+tree of its own: dsc_slurm_cgroup false (proctrack/linuxproc)."""
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,19 +17,22 @@ import cluster as tc
 NODES = [{"name": f"slu{i}", "ip": tc.addr(50 + i), "ip6": tc.addr6(50 + i), "port": 22} for i in (1, 2)]
 SLURM = ("cluster_network_firewall_backend: firewalld\n"
          "dsc_slurm_install: true\n"
-         "dsc_slurm_cgroup: false\n")
+         "dsc_slurm_cgroup: false\n"
+         "dsc_launch_mode: slurm\n")
+RUNS = "/opt/dscluster/runs"
 KEY = Path.home() / ".dscluster" / "keys" / "testcluster" / "munge.key"
 
 
 @pytest.fixture(scope="module")
-def slurm_nodes(cluster, tmp_path_factory):
+def slurm_nodes(cluster, node_image, tmp_path_factory):
     """The two systemd nodes, their inventory, and the first provision.yml --tags network,slurm."""
     where = tmp_path_factory.mktemp("slurm")
     containers = [tc.PREFIX + h["name"] for h in NODES]
     pub = (tc.STATE / "id_ed25519.pub").read_text()
     try:
+        image = tc.systemd_image(node_image[0])
         for h in NODES:
-            tc.start_systemd(tc.PREFIX + h["name"], h["name"], h["ip"], h["ip6"])
+            tc.start_systemd(tc.PREFIX + h["name"], h["name"], h["ip"], h["ip6"], image)
         known = [f"{h['ip']} {tc.authorize(tc.PREFIX + h['name'], pub)}" for h in NODES]
         (where / "known_hosts").write_text("\n".join(known) + "\n")
         tc.write_inventory(NODES, inv=where / "inventory", known_hosts=where / "known_hosts", extra=SLURM)
@@ -84,3 +89,77 @@ def test_preflight_names_the_node_whose_slurmd_is_stopped(slurm_nodes, cluster):
     assert rows[("slurm", "slu1")] == ("PASS", "slurmd answers; idle in partition dsc"), rows
     assert rows[("slurm", "slu2")][0] == "FAIL" and rows[("slurm", "slu2")][1].startswith("slurmd does not answer"), rows
     assert "systemctl status slurmd on slu2" in r.output
+
+
+def _run_state(cluster, run):
+    return {h["name"]: cluster.exec(h["name"], f"cat {RUNS}/{run}/exit_code 2>/dev/null", check=False).stdout.strip()
+            for h in NODES}
+
+
+def test_a_run_through_slurm_trains_on_both_nodes_to_the_end(slurm_nodes, cluster):
+    run = "sl-1"
+    r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "follow=true", "-e", "preflight=false",
+                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=40)}),
+                         inventory=slurm_nodes["inventory"])
+    assert r.returncode == 0, r.output[-6000:]
+    assert f"Run {run} submitted as Slurm job" in r.output, r.output[-4000:]
+    assert f"Run {run} finished at step 40." in r.output, r.output[-4000:]  # followed to the end
+    assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
+    for n, h in enumerate(NODES):  # each node's own launcher, with the whole world
+        log = cluster.exec(h["name"], f"cat {RUNS}/{run}/launcher.log").stdout
+        assert f"--node_rank={n}" in log and "dist_world_size=2" in log, log[-2000:]
+    job = cluster.exec("slu1", f"ls {RUNS}/{run}/ | grep '^slurm-.*out$'").stdout.split()
+    assert len(job) == 1, job
+
+
+def _last_step(cluster, run):
+    r = cluster.exec("slu1", f"tail -1 {RUNS}/{run}/metrics.jsonl 2>/dev/null", check=False)
+    return json.loads(r.stdout)["step"] if r.stdout.strip() else 0
+
+
+def _lines(output, *needles):
+    """The lines of a playbook's output holding any of the needles (the docs show them)."""
+    return [line.strip().strip('",') for line in output.splitlines() if any(n in line for n in needles)]
+
+
+def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, cluster, figures):
+    """A long run; a second launch queues behind it (launch.yml returns saying so, runs.yml numbers
+    it); stop cancels the first job (CANCELLED, nothing left on either node) and the queued run
+    starts and is followed to its end; the first resumes from its checkpoint to a nearer end."""
+    inv = slurm_nodes["inventory"]
+    first, second = "sl-2", "sl-3"
+
+    def launch(run, **train):
+        r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "preflight=false",
+                             "-e", json.dumps({"dsc_train_config": dict(tc.TINY, **train)}), inventory=inv)
+        assert r.returncode == 0, r.output[-6000:]
+        return r
+
+    launch(first, steps=100000, save_every=20)
+    tc.wait(lambda: _last_step(cluster, first) > 45, 180, f"{first} past its second checkpoint")
+    queued = launch(second, steps=30)
+    job2 = re.search(rf"Run {second} submitted as Slurm job (\d+) \(world size 2, partition dsc\): PENDING", queued.output)
+    assert job2, queued.output[-3000:]
+    runs = cluster.playbook("runs.yml", inventory=inv)
+    assert f"1. job {job2.group(1)} dsc-{second} (dstrain), waiting for " in runs.output, runs.output[-3000:]
+    status = cluster.playbook("status.yml", "-e", f"run_id={first}", inventory=inv)
+    job1 = re.search(r"Slurm job (\d+): RUNNING", status.output)
+    assert job1 and "slu2: running, ranks alive 1" in status.output, status.output[-4000:]
+    stop = cluster.playbook("stop.yml", "-e", f"run_id={first}", inventory=inv)
+    assert stop.returncode == 0, stop.output[-4000:]
+    assert f"Slurm job {job1.group(1)} of run {first}: JobState=CANCELLED" in stop.output, stop.output[-4000:]
+    for h in NODES:
+        assert f"{h['name']}: stopped" in stop.output
+        left = cluster.exec(h["name"], f"/usr/local/lib/dscluster/dsc_node.pyz procs {first}", user="dstrain")
+        assert json.loads(left.stdout) == [], left.stdout
+    followed = cluster.playbook("status.yml", "-e", f"run_id={second}", "-e", "follow=true", inventory=inv)
+    assert followed.returncode == 0 and f"Run {second} finished at step 30." in followed.output, followed.output[-4000:]
+    end = _last_step(cluster, first) + 10
+    resumed = cluster.playbook("resume.yml", "-e", f"run_id={first}", "-e", "follow=true",
+                               "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={end}"]}), inventory=inv)
+    assert resumed.returncode == 0 and f"Run {first} finished at step {end}." in resumed.output, resumed.output[-4000:]
+    assert _run_state(cluster, first) == {"slu1": "0", "slu2": "0"}
+    figures("slurm", queued=_lines(queued.output, "submitted as Slurm job"),
+            runs=_lines(runs.output, "Slurm queue", "running: job", "1. job"),
+            status=_lines(status.output, "Slurm job", ": running, ranks alive"),
+            stop=_lines(stop.output, "JobState=", ": stopped"))

@@ -48,11 +48,13 @@ def write_run(run_dir, spec, resume=False):
 
 
 def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_restarts=0,
-          backoff=10.0, resume_args=("--resume",), stall=None, port=None):
+          backoff=10.0, resume_args=("--resume",), stall=None, port=None, foreground=False):
     """Under the run root's lock: refuse (or replace) an active run, take the first free master
     port (or `port`, the one the master took: only the master's rank 0 listens on it), then
     double-fork a supervisor into a new session so that it outlives the Ansible
-    connection; its pid is the run's launcher.pid until the run ends, restarts included."""
+    connection; its pid is the run's launcher.pid until the run ends, restarts included.
+    `foreground` (Slurm's task on a node): the supervisor is this process, and the task ends
+    with the run."""
     run = RunDir(run_dir)
     lock = open(Path(run_root) / RunDir.LOCK, "a")
     fcntl.flock(lock, fcntl.LOCK_EX)  # held until the new supervisor's pid is recorded
@@ -77,6 +79,9 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     cmd = [cmd[0], "--master_port", str(port)] + list(cmd[1:])
     (run / RunDir.EXIT).unlink(missing_ok=True)
     (run / RunDir.FAILURE).unlink(missing_ok=True)
+    if foreground:
+        lock.close()
+        supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall)
     if os.fork():
         pid = None
         for _ in range(100):  # until the supervisor recorded its pid (or already ended)

@@ -45,6 +45,8 @@ class RunDir:
     SUMMARY = "summary.json"      # train.run's totals, written when it ends
     COMPLETE = "COMPLETE"         # in checkpoints/step<N>/: train.run's mark that the checkpoint is whole
     ALLREDUCE = "allreduce.json"  # train.allreduce's result, which preflight.yml reports
+    SLURM_BATCH = "slurm.sbatch"  # dsc_launch_mode slurm: the batch job launch.yml submits
+    SLURM_TASK = "slurm_task.sh"  # and the task it runs on each node (this node's launcher)
     OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)
 
     def __init__(self, path):

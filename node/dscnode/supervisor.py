@@ -242,7 +242,8 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     record_exit(run, code)
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)
-    os._exit(0)
+    # Detached, nobody reads this status; Slurm's task reports the run's (its job's state).
+    os._exit(0 if code == 0 else 1)
 
 
 def run_steps(run):

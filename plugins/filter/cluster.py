@@ -132,6 +132,20 @@ def log_sections(sections, log, read_on=None):
     return out
 
 
+def slurm_queue(lines, partition):
+    """runs.yml in slurm mode: the partition's jobs as squeue lists them ("id|name|state|reason|
+    user", in Slurm's own order: running first, then pending by priority and submit time), the
+    pending ones numbered by their place in the queue."""
+    jobs = [dict(zip(("id", "name", "state", "reason", "user"), line.split("|"))) for line in lines if line]
+    running = [j for j in jobs if j.get("state") != "PENDING"]
+    pending = [j for j in jobs if j.get("state") == "PENDING"]
+    out = [f"Slurm queue, partition {partition}: {len(running)} running, {len(pending)} pending"]
+    out += [f"  {j['state'].lower()}: job {j['id']} {j['name']} ({j['user']})" for j in running]
+    out += [f"  {i}. job {j['id']} {j['name']} ({j['user']}), waiting for {j['reason']}"
+            for i, j in enumerate(pending, 1)]
+    return out
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -143,4 +157,5 @@ class FilterModule:
             "dsc_log_sections": log_sections,
             "dsc_runs_table": runs_table,
             "dsc_stack_summary": stack_summary,
+            "dsc_slurm_queue": slurm_queue,
         }

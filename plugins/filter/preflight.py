@@ -144,12 +144,13 @@ def driver_verdict(cuda, driver):
     return ("PASS", f"driver {driver} runs CUDA {cuda} (needs {need or '?'})", "")
 
 
-def _ssh_rows(names, master, hv, mesh, pdsh, train_user):
+def _ssh_rows(names, master, hv, mesh, mode, train_user):
     """ssh from the master to each node as the training user (more than one node; a single "not
-    used" row in no_ssh mode)."""
-    rows = []
+    used" row in no_ssh and slurm modes)."""
+    rows, pdsh = [], mode == "pdsh"
     if len(names) > 1 and not pdsh:
-        rows.append(_row("ssh from master", "all", "PASS", "not used: dsc_launch_mode no_ssh"))
+        rows.append(_row("ssh from master", "all", "PASS",
+                         f"not used: dsc_launch_mode {mode}"))
     for n in names if len(names) > 1 and pdsh else []:
         m = mesh.get(n)
         if m is None:
@@ -345,7 +346,7 @@ def preflight_rows(hostvars, cluster, settings):
     # no_ssh mode: Ansible starts a launcher on every node; nothing sshes between nodes or
     # resolves their names (the hostfile's names are only keys there, the master an address).
     pdsh = cluster.get("launch_mode", "pdsh") == "pdsh"
-    rows += _ssh_rows(names, master, hv, mesh, pdsh, settings["train_user"])
+    rows += _ssh_rows(names, master, hv, mesh, cluster.get("launch_mode", "pdsh"), settings["train_user"])
     if pdsh:
         rows += _name_rows(ok, probe, cluster["nodes"])
     rows += _version_rows(ok, probe, master, settings)

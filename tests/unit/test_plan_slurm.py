@@ -1,9 +1,13 @@
-"""Slurm's configuration as the plan derives it (dscplan.slurm, dsc_slurm_install): slurm.conf's
-nodes from the inventory and the probes, the GPUs as gres, cgroup or not, and the refusals of a
-partition Slurm would read as more than a name.
+"""Slurm as the plan derives it (dscplan.slurm): slurm.conf's nodes from the inventory and the
+probes, the GPUs as gres, cgroup or not (dsc_slurm_install); dsc_launch_mode slurm's batch job and
+each node's task; and the refusals of a partition Slurm would read as more than a name, of a launch
+through a Slurm the toolkit did not install, of restarts and of differing GPU counts.
 
     .venv/bin/pytest tests/unit/test_plan_slurm.py -q
 """
+import shlex
+import subprocess
+
 import pytest
 
 import dscplan
@@ -65,3 +69,56 @@ def test_a_partition_that_is_more_than_a_name_is_refused(partition):
     p, errors = plan(2, dsc_slurm_partition=partition)
     assert p is None
     assert any(e.startswith("dsc_slurm_partition on host node1 is ") and "Fix: letters" in e for e in errors), errors
+
+
+def slurm_run(n=2, options=None, **settings):
+    return plan(n, options=options or {}, full_run=True, dsc_launch_mode="slurm", dsc_slurm_install=True, **settings)
+
+
+def test_the_batch_job_holds_exactly_the_plans_nodes_and_takes_the_masters_port():
+    p, errors = slurm_run(dsc_slurm_partition="train")
+    assert errors == []
+    run = p["run"]
+    batch = run["files"]["slurm.sbatch"].splitlines()
+    for line in ["#SBATCH --job-name=dsc-" + run["id"], "#SBATCH --partition=train", "#SBATCH --nodes=2",
+                 "#SBATCH --nodelist=node1,node2", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive",
+                 f"#SBATCH --output={run['dir']}/slurm-%j.out", f"#SBATCH --chdir={run['workdir']}"]:
+        assert line in batch
+    assert not any(x.startswith("#SBATCH --gres") for x in batch)  # CPU nodes
+    assert "port=$(srun --nodes=1 --ntasks=1 --nodelist=node1 /usr/local/lib/dscluster/dsc_node.pyz free-port 29500 29510)" in batch
+    assert batch[-1] == (f"exec srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 /bin/bash "
+                         f"{run['dir']}/slurm_task.sh \"$port\"")
+    assert subprocess.run(["bash", "-n"], input=run["files"]["slurm.sbatch"], text=True).returncode == 0
+
+
+def test_each_nodes_task_starts_its_launcher_in_the_foreground_on_the_port():
+    p, errors = slurm_run()
+    assert errors == []
+    run = p["run"]
+    task = run["files"]["slurm_task.sh"]
+    assert subprocess.run(["bash", "-n"], input=task, text=True).returncode == 0
+    lines = {line.split(")")[0].strip(): line for line in task.splitlines() if line.startswith("  node")}
+    for node, rank in (("node1", 0), ("node2", 1)):
+        argv = shlex.split(lines[node].split(") exec ", 1)[1].rsplit(" ;;", 1)[0])
+        assert argv[:7] == [p["helper"], "start", run["dir"], run["id"], "--foreground", "--port", "$1"]
+        assert argv[7:7 + len(run["start_args"][node])] == run["start_args"][node]
+        assert run["start_args"][node][2:4] == ["--hosts", node]  # each node's supervisor, its own node
+        rest = argv[argv.index("--") + 1:]
+        assert rest == run["commands"][node] and rest[rest.index("--node_rank") + 1] == str(rank)
+    assert f"export DSC_RUN_ID={run['id']}" in task and f"export DS_ENV_FILE={run['dir']}/.deepspeed_env" in task
+
+
+def test_slurm_mode_refusals():
+    p, errors = plan(2, full_run=True, options={}, dsc_launch_mode="slurm")
+    assert any("dsc_launch_mode on host node1 is 'slurm' but dsc_slurm_install is false" in e for e in errors), errors
+    p, errors = slurm_run(options={"max_restarts": 2})
+    assert any(e.startswith("max_restarts is 2 with dsc_launch_mode slurm") for e in errors), errors
+    hostvars, groups, probes = cluster(2, slots="auto", dsc_launch_mode="slurm", dsc_slurm_install=True)
+    for h, count in (("node1", 4), ("node2", 2)):
+        probes[h] = probe(hostvars[h]["dsc_addr"], gpus=count)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    assert any("the nodes' GPU counts differ (node1 4, node2 2)" in e for e in errors), errors
+    for h in probes:
+        probes[h] = probe(hostvars[h]["dsc_addr"], gpus=4)
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
+    assert errors == [] and "#SBATCH --gres=gpu:4" in p["run"]["files"]["slurm.sbatch"]

@@ -276,3 +276,12 @@ def test_slurm_rows_a_node_slurmctld_does_not_list_and_a_controller_that_does_no
     assert rows[0]["status"] == "FAIL" and "Unable to contact slurm controller" in rows[0]["detail"]
     assert "systemctl status slurmctld on node1" in rows[0]["fix"]
     assert [r["check"] for r in rows[1:]] == ["munge", "munge"]  # no slurm row without slurmctld's answer
+
+
+def test_slurm_queue_numbers_the_pending_jobs_in_slurms_order():
+    lines = cluster.slurm_queue(["7|dsc-a|RUNNING|None|dstrain", "9|dsc-c|PENDING|Priority|bob",
+                                 "8|dsc-b|PENDING|Resources|dstrain", ""], "dsc")
+    assert lines == ["Slurm queue, partition dsc: 1 running, 2 pending",
+                     "  running: job 7 dsc-a (dstrain)",
+                     "  1. job 9 dsc-c (bob), waiting for Priority",
+                     "  2. job 8 dsc-b (dstrain), waiting for Resources"]

@@ -241,7 +241,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems, probe_errors or {})
     _firewall_backends(nodes, probes, s, firewall, problems)
-    slurm_problems(s, f"on host {names[0]}", problems)
+    slurm_problems(s, nodes, f"on host {names[0]}", problems)
     _check_nodes(nodes, s, hostvars, probes, full_run, problems)
     env_owner = _existing_env_owner(s, nodes, probes, problems)
     if problems.messages:

@@ -381,7 +381,8 @@ def _step_down(plan, s, opt, options, paths, mode, ladder, overrides, user_confi
             auto.append("  no step down: nothing below it is predicted to fit when this prediction is "
                         "wrong enough to run out of memory")
         return None
-    why = ("dsc_launch_mode no_ssh (each node's launcher runs on its own)" if s["dsc_launch_mode"] == "no_ssh"
+    why = (f"dsc_launch_mode {s['dsc_launch_mode']} (each node's launcher runs on its own)"
+           if s["dsc_launch_mode"] in ("no_ssh", "slurm")
            and len(plan["nodes"]) > 1 else
            f"dsc_ds_config_mode {mode} (the script sets its own batch)" if mode not in ("preset", "file") else "")
     if why:

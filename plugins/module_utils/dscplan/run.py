@@ -15,6 +15,7 @@ from .deepspeed_config import _run_sections, batch, compose_config, precision, p
 from .problems import _is_int
 from .rendered import _rendered, code_archive
 from .settings import DS_ENV_SAFE, RUN_OPTIONS, _abs_path, as_bool
+from .slurm import batch_files
 
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
@@ -189,8 +190,9 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
                          f"symbolic link, not a run directory (a run's files would be written "
                          f"wherever it points). Fix: remove the link (check who planted it), or "
                          f"launch with another run_id.")
+    # Through Slurm, a second run queues behind the first (its nodes are the job's alone).
     if refuse_active and active and active[0] != run_id and not as_bool(opt["replace"]) \
-            and not as_bool(opt["dry_run"]):
+            and not as_bool(opt["dry_run"]) and plan["launch_mode"] != "slurm":
         problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "
                      f"(ansible-playbook stop.yml -e run_id={active[0]}), or launch with "
                      f"-e replace=true to stop and replace it.")
@@ -259,7 +261,8 @@ def _resume_secrets(run_id, plan, runs_seen, problems):
 
 
 def _commands(plan, s, run_dir, entry, config_arg, resume):
-    """{node: the DeepSpeed launcher's argv}: the master alone (pdsh), or every node (no_ssh).
+    """{node: the DeepSpeed launcher's argv}: the master alone (pdsh), or every node (no_ssh, and
+    slurm, where each node's task of the batch job starts it).
     Each rank runs the node helper's entry shim (secrets, progress), which runs the user's
     script or module in the same process."""
     launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
@@ -278,10 +281,24 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
         + ([config_arg, f"{run_dir}/{RunDir.DS_CONFIG}"] if config_arg.startswith("--") else []) \
         + (["--config", f"{run_dir}/{RunDir.TRAIN_CONFIG}"] if train_run else []) \
         + entry["args"] + (entry["resume_args"] if resume else [])
-    if s["dsc_launch_mode"] == "no_ssh":
+    if s["dsc_launch_mode"] in ("no_ssh", "slurm"):
         return {n["name"]: launcher + ["--no_ssh", "--node_rank", str(n["rank"])] + program
                 for n in plan["nodes"]}
     return {plan["master"]: launcher + program}
+
+
+def _start_args(plan, s, opt, entry, commands):
+    """{node: the node helper's `start` options}, but the port: the supervisor's restarts, stall
+    watch and the nodes it tears down (every node through pdsh; its own node where each node
+    starts its own launcher)."""
+    pdsh = s["dsc_launch_mode"] == "pdsh"
+    return {node: ["--run-root", plan["run_root"], "--hosts", ",".join(plan["node_names"]) if pdsh else node,
+                   "--max-restarts", str(int(opt["max_restarts"])), "--backoff", str(int(opt["restart_backoff_s"])),
+                   "--resume-args", json.dumps(entry["resume_args"]), "--stall-s", str(int(opt["dsc_stall_timeout_s"])),
+                   "--py-spy", plan["py_spy"]]
+            + (["--stall-fail"] if as_bool(opt["dsc_stall_fail"]) else [])
+            + (["--replace"] if as_bool(opt["replace"]) else [])
+            for node in commands}
 
 
 def _check_restarts(opt, s, problems):
@@ -289,8 +306,9 @@ def _check_restarts(opt, s, problems):
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not _is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
-    if s["dsc_launch_mode"] == "no_ssh" and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
-        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
+    mode = s["dsc_launch_mode"]
+    if mode in ("no_ssh", "slurm") and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
+        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode {mode}. Fix: 0 "
                      f"(each node's launcher runs on its own there, and a restart must restart every "
                      f"node's ranks together: the pdsh mode's supervisor does), or dsc_launch_mode pdsh.")
 
@@ -348,25 +366,32 @@ def _run_paths(run_dir):
             "allreduce_result": f"{run_dir}/{RunDir.ALLREDUCE}"}
 
 
+def _preset(plan, s, opt, options, paths, entry, resume, problems):
+    """(preset, options, auto's reasons, its step-down ladder, the model's shape): -e preset, or
+    preset=auto's choice (kept in opt and options: launch.json keeps it, so resume and restarts
+    take the same preset and batch)."""
+    preset = str(opt["preset"])
+    if preset == "auto" and not resume and plan["world_size"] is not None:
+        chosen, micro_batch, auto, ladder, model = _auto_preset(plan, opt, options, paths, entry, problems, s)
+        if chosen:
+            preset = opt["preset"] = chosen
+            opt["dsc_micro_batch"] = micro_batch
+            options = dict(options, dsc_micro_batch=micro_batch)
+        return preset, options, auto, ladder, model
+    known = presets(paths["templates"])
+    if preset not in known:
+        problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
+                     f"templates/ds_config/{preset}.json).")
+    return preset, options, [], [], None
+
+
 def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
     """The run's part of the plan: id, directory, ds_config, files and the launcher command.
     `extra_vars`: the names given with -e (a resume refuses the LAUNCH_ONLY ones)."""
     opt = _run_options(options, defaults, runs_seen)
     resume = as_bool(opt["resume"])
-    known = presets(paths["templates"])
-    preset = str(opt["preset"])
     entry = _entry(opt, paths, problems)
-    auto, ladder, model = [], [], None
-    if preset == "auto" and not resume and plan["world_size"] is not None:
-        chosen, micro_batch, auto, ladder, model = _auto_preset(plan, opt, options, paths, entry, problems, s)
-        if chosen:
-            # launch.json keeps the choice: resume and restarts take the same preset and batch.
-            preset = opt["preset"] = chosen
-            opt["dsc_micro_batch"] = micro_batch
-            options = dict(options, dsc_micro_batch=micro_batch)
-    elif preset not in known:
-        problems.add(f"preset is {preset!r}. Fix: one of {', '.join(known)} (or add "
-                     f"templates/ds_config/{preset}.json).")
+    preset, options, auto, ladder, model = _preset(plan, s, opt, options, paths, entry, resume, problems)
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
     if resume:
         _refused_on_resume(extra_vars, opt, run_id, problems)
@@ -409,6 +434,12 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     step_down = _step_down(plan, s, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto)
     env = _run_env(plan, run_id, run_dir, secrets, config_arg)
     hostfile, env_text = _rendered(paths, plan, env, problems)
+    commands = _commands(plan, s, run_dir, entry, config_arg, resume)
+    start_args = _start_args(plan, s, opt, entry, commands)
+    workdir = entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}"
+    files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text),
+                 **(batch_files(plan, run_id, run_dir, workdir, commands, start_args, env)
+                    if s["dsc_launch_mode"] == "slurm" else {}))
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,
         "replace": as_bool(opt["replace"]), "dry_run": as_bool(opt["dry_run"]),
@@ -420,10 +451,11 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "ds_config_file": str(opt["dsc_ds_config_file"] or ""),
         "code_dir": entry["code_dir"], "code_shared": entry["shared"],
         "code_dest": f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
-        "workdir": entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}", "env": env,
+        "workdir": workdir, "env": env,
         "secrets_file": secrets_path(plan["run_root"], run_id),
-        "commands": _commands(plan, s, run_dir, entry, config_arg, resume), "code_archive": archive,
-        "files": _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text),
+        "commands": commands, "start_args": start_args, "code_archive": archive, "files": files,
+        # A resume keeps the run's files, but the batch job's: its commands carry the resume.
+        "resume_files": {k: v for k, v in files.items() if k in (RunDir.SLURM_BATCH, RunDir.SLURM_TASK)},
         **_run_paths(run_dir),
     }
 

@@ -6,6 +6,9 @@ tests/unit/test_plan_slurm.py."""
 from __future__ import annotations
 
 import re
+import shlex
+
+from dscnode.rundir import RunDir
 
 from .settings import as_bool
 
@@ -18,13 +21,27 @@ MEMORY_KEPT = 0.95
 PORTS = {"SlurmctldPort": 6817, "SlurmdPort": 6818}
 
 
-def slurm_problems(s, where, problems):
-    """The refusal of a partition Slurm would read as more than a name (the nodes' names are
-    inventory names, already letters, digits, '.' and '-': topology.HOST_NAME)."""
+def slurm_problems(s, nodes, where, problems):
+    """The refusals of Slurm's settings: a partition Slurm would read as more than a name (the
+    nodes' names are inventory names, already letters, digits, '.' and '-': topology.HOST_NAME);
+    launching through a Slurm the toolkit did not install; nodes whose GPU counts differ, which
+    one job's gres can't give."""
     partition = str(s["dsc_slurm_partition"])
     if not SLURM_NAME.fullmatch(partition):
         problems.add(f"dsc_slurm_partition {where} is {partition!r}. Fix: letters, digits, '.', '_' "
                      f"and '-' only, starting with a letter or digit (e.g. 'dsc').")
+    if s["dsc_launch_mode"] != "slurm":
+        return
+    if not as_bool(s["dsc_slurm_install"]):
+        problems.add(f"dsc_launch_mode {where} is 'slurm' but dsc_slurm_install is false: launching "
+                     f"through a site's own Slurm is not supported yet. Fix: dsc_slurm_install: true "
+                     f"(provision.yml installs Slurm on these nodes), or dsc_launch_mode pdsh or no_ssh.")
+    counts = {n["name"]: len(n["gpu_ids"]) or n["gpus"] for n in nodes if n["reachable"]}
+    if len(set(counts.values())) > 1:
+        detail = ", ".join(f"{k} {v}" for k, v in counts.items())
+        problems.add(f"dsc_launch_mode {where} is 'slurm' but the nodes' GPU counts differ ({detail}): "
+                     f"one Slurm job gives every node the same gres. Fix: the same count on every "
+                     f"node (dsc_gpus), or dsc_launch_mode pdsh.")
 
 
 def slurm_plan(s, cluster_name, nodes, probes):
@@ -78,3 +95,45 @@ def slurm_plan(s, cluster_name, nodes, probes):
     return {"install": True, "partition": str(s["dsc_slurm_partition"]), "controller": nodes[0]["name"],
             "conf": "\n".join(lines) + "\n", "gres_conf": "\n".join(gres) + "\n" if gres else "",
             "cgroup_conf": "CgroupPlugin=autodetect\nConstrainCores=yes\nConstrainDevices=yes\n" if cgroup else ""}
+
+
+def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env):
+    """dsc_launch_mode slurm: the run directory's batch job and per-node task (file name -> text).
+    The job holds exactly the plan's nodes (exclusive, their GPUs as gres); its first step takes
+    the first free master port on the master (the node helper's free-port), then one task per
+    node starts that node's DeepSpeed launcher (--no_ssh --node_rank) under the node helper's
+    supervisor in the foreground, on that port. A task that fails ends the others
+    (--kill-on-bad-exit): the ranks of the other nodes do not wait for a node that is gone."""
+    gpus = {len(n["gpu_ids"]) or n["gpus"] for n in plan["nodes"]}
+    names = ",".join(plan["node_names"])
+    q = shlex.quote
+    batch = [
+        "#!/bin/bash",
+        f"# Run {run_id}, written by the toolkit (launch.yml submits it with sbatch on the master).",
+        f"#SBATCH --job-name=dsc-{run_id}",
+        f"#SBATCH --partition={plan['slurm']['partition']}",
+        f"#SBATCH --nodes={plan['num_nodes']}",
+        f"#SBATCH --nodelist={names}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",
+        *([f"#SBATCH --gres=gpu:{gpus.pop()}"] if gpus and max(gpus) > 0 else []),
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+        f"#SBATCH --chdir={workdir}",
+        "set -eu",
+        f"port=$(srun --nodes=1 --ntasks=1 --nodelist={q(plan['master'])} {q(plan['helper'])} free-port "
+        f"{plan['master_port_first']} {plan['master_port_last']})",
+        f"exec srun --nodes={plan['num_nodes']} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\"",
+    ]
+    task = ["#!/bin/bash",
+            f"# Run {run_id}: this node's launcher (Slurm's task on it), on the master port in $1.",
+            "set -eu",
+            *(f"export {k}={q(str(v))}" for k, v in sorted(dict(env, DS_ENV_FILE=f"{run_dir}/{RunDir.DS_ENV}").items())),
+            'case "$SLURMD_NODENAME" in']
+    for node, cmd in commands.items():
+        argv = [plan["helper"], "start", run_dir, run_id, "--foreground", "--port", "PORT",
+                *start_args[node], "--", *cmd]
+        task.append(f"  {node}) exec " + " ".join('"$1"' if a == "PORT" else q(a) for a in argv) + " ;;")
+    task += [f'  *) echo "node $SLURMD_NODENAME is not one of run {run_id}\'s nodes ({names})" >&2; exit 2 ;;',
+             "esac"]
+    return {RunDir.SLURM_BATCH: "\n".join(batch) + "\n", RunDir.SLURM_TASK: "\n".join(task) + "\n"}
