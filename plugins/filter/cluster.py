@@ -136,7 +136,7 @@ def slurm_queue(lines, partition):
     """runs.yml in slurm mode: the partition's jobs as squeue lists them ("id|name|state|reason|
     user", in Slurm's own order: running first, then pending by priority and submit time), the
     pending ones numbered by their place in the queue."""
-    jobs = [dict(zip(("id", "name", "state", "reason", "user"), line.split("|"))) for line in lines if line]
+    jobs = [dict(zip(("id", "name", "state", "reason", "user"), line.split("|"), strict=False)) for line in lines if line]
     running = [j for j in jobs if j.get("state") != "PENDING"]
     pending = [j for j in jobs if j.get("state") == "PENDING"]
     out = [f"Slurm queue, partition {partition}: {len(running)} running, {len(pending)} pending"]
