@@ -163,3 +163,24 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
             runs=_lines(runs.output, "Slurm queue", "running: job", "1. job"),
             status=_lines(status.output, "Slurm job", ": running, ranks alive"),
             stop=_lines(stop.output, "JobState=", ": stopped"))
+
+
+def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, cluster):
+    """max_restarts through Slurm: a rank killed on slu2 ends its node's task, which ends the
+    other (--kill-on-bad-exit); the batch job starts both again from the latest complete checkpoint,
+    and the followed run finishes with one restart."""
+    inv, run = slurm_nodes["inventory"], "sl-4"
+    r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "preflight=false", "-e", "max_restarts=1",
+                         "-e", "restart_backoff_s=1",
+                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=400, save_every=10)}), inventory=inv)
+    assert r.returncode == 0, r.output[-6000:]
+    tc.wait(lambda: _last_step(cluster, run) > 25, 180, f"{run} past its second checkpoint")
+    victim = tc.wait(lambda: cluster.rank_pids("slu2", run), 30, "a rank on slu2")[0]
+    cluster.exec("slu2", f"kill -9 {victim}")
+    followed = cluster.playbook("status.yml", "-e", f"run_id={run}", "-e", "follow=true", inventory=inv)
+    assert followed.returncode == 0 and f"Run {run} finished at step 400." in followed.output, followed.output[-4000:]
+    out = cluster.exec("slu1", f"cat {RUNS}/{run}/slurm-*.out").stdout
+    assert "[dsc slurm] restart 1/1 of every node in 1 s from the latest complete checkpoint" in out, out[-2000:]
+    assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
+    summary = json.loads(cluster.exec("slu1", f"cat {RUNS}/{run}/summary.json").stdout)
+    assert 10 <= summary["start_step"] < 400, summary  # the second attempt resumed from a checkpoint

@@ -11,7 +11,7 @@ built file). Every command prints one JSON object.
     dsc_node.pyz write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
     dsc_node.pyz start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
                        [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
-                       [--stall-s S] [--stall-fail] [--py-spy PATH] [--foreground] -- CMD...
+                       [--stall-s S] [--stall-fail] [--py-spy PATH] [--foreground [--attempt N]] -- CMD...
                                                # under a lock: refuse (or replace) an active run, take the
                                                # first free master port (--port: the one the master took,
                                                # no_ssh mode's other nodes), detach a supervisor that runs CMD,
@@ -104,6 +104,7 @@ def start_arguments(p):
     p.add_argument("--stall-fail", action="store_true")
     p.add_argument("--py-spy", default="", help="the env's py-spy: every node's stacks are read at a stall")
     p.add_argument("--foreground", action="store_true", help="supervise in this process (Slurm's task on a node)")
+    p.add_argument("--attempt", type=int, default=0, help="the Slurm batch job's restart: resume from the checkpoint")
 
 
 def parser():
@@ -217,7 +218,7 @@ def _start(a):
                  replace=a.replace, hosts=hosts(a.hosts), max_restarts=a.max_restarts,
                  backoff=a.backoff, resume_args=json.loads(a.resume_args),
                  stall={"timeout_s": a.stall_s, "fail": a.stall_fail, "py_spy": a.py_spy}, port=a.port,
-                 foreground=a.foreground)
+                 foreground=a.foreground, attempt=a.attempt)
 
 
 def _procs(a):

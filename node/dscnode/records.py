@@ -135,6 +135,8 @@ def status(run_dir, run_id):
     # the supervisor writes the exit code into every node's run directory when the run ends.
     if launcher or (ranks and code is None):
         state = "stalled" if launcher and (run / RunDir.STALLED).exists() else "running"
+    elif (run / RunDir.RESTARTING).exists() and not (run / RunDir.STOPPED).exists():
+        state = "restarting"  # Slurm's batch job, between two attempts on every node
     elif code == "0":
         state = "finished"
     elif (run / RunDir.STOPPED).exists():

@@ -187,6 +187,13 @@ def resolve_latest(argv, cwd="."):
     return out
 
 
+def with_resume(cmd, resume_args):
+    """The command of a restart: it resumes from the latest complete checkpoint (resume_args
+    appended, unless it ends with them already: a resumed run's own command)."""
+    resumes = list(resume_args) and list(cmd[-len(resume_args):]) == list(resume_args)
+    return list(cmd) + ([] if resumes else list(resume_args))
+
+
 def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None):
     log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -237,8 +244,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         time.sleep(wait)
         if (run / RunDir.STOPPED).exists():
             break
-        resumes = list(resume_args) and list(cmd[-len(resume_args):]) == list(resume_args)
-        attempt = list(cmd) + ([] if resumes else list(resume_args))
+        attempt = with_resume(cmd, resume_args)
     record_exit(run, code)
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)

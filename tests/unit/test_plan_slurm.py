@@ -85,9 +85,11 @@ def test_the_batch_job_holds_exactly_the_plans_nodes_and_takes_the_masters_port(
                  f"#SBATCH --output={run['dir']}/slurm-%j.out", f"#SBATCH --chdir={run['workdir']}"]:
         assert line in batch
     assert not any(x.startswith("#SBATCH --gres") for x in batch)  # CPU nodes
-    assert "port=$(srun --nodes=1 --ntasks=1 --nodelist=node1 /usr/local/lib/dscluster/dsc_node.pyz free-port 29500 29510)" in batch
-    assert batch[-1] == (f"exec srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 /bin/bash "
-                         f"{run['dir']}/slurm_task.sh \"$port\"")
+    assert ("  port=$(srun --nodes=1 --ntasks=1 --nodelist=node1 /usr/local/lib/dscluster/dsc_node.pyz "
+            "free-port 29500 29510) || exit 3") in batch
+    assert (f"  srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 /bin/bash {run['dir']}/slurm_task.sh "
+            f"\"$port\" \"$attempt\" && exit 0") in batch
+    assert '  [ "$attempt" -lt 0 ] || exit 1' in batch  # max_restarts 0: no second attempt
     assert subprocess.run(["bash", "-n"], input=run["files"]["slurm.sbatch"], text=True).returncode == 0
 
 
@@ -100,19 +102,30 @@ def test_each_nodes_task_starts_its_launcher_in_the_foreground_on_the_port():
     lines = {line.split(")")[0].strip(): line for line in task.splitlines() if line.startswith("  node")}
     for node, rank in (("node1", 0), ("node2", 1)):
         argv = shlex.split(lines[node].split(") exec ", 1)[1].rsplit(" ;;", 1)[0])
-        assert argv[:7] == [p["helper"], "start", run["dir"], run["id"], "--foreground", "--port", "$1"]
-        assert argv[7:7 + len(run["start_args"][node])] == run["start_args"][node]
+        assert argv[:9] == [p["helper"], "start", run["dir"], run["id"], "--foreground", "--port", "$1",
+                            "--attempt", "$2"]
+        assert argv[9:9 + len(run["start_args"][node])] == run["start_args"][node]
         assert run["start_args"][node][2:4] == ["--hosts", node]  # each node's supervisor, its own node
         rest = argv[argv.index("--") + 1:]
         assert rest == run["commands"][node] and rest[rest.index("--node_rank") + 1] == str(rank)
     assert f"export DSC_RUN_ID={run['id']}" in task and f"export DS_ENV_FILE={run['dir']}/.deepspeed_env" in task
 
 
+def test_restarts_are_the_batch_jobs_every_node_at_once():
+    p, errors = slurm_run(options={"max_restarts": 2, "restart_backoff_s": 5})
+    assert errors == []
+    run = p["run"]
+    batch = run["files"]["slurm.sbatch"]
+    assert '  [ "$attempt" -lt 2 ] || exit 1' in batch and "wait_s=$(( 5 << (attempt - 1) ))" in batch
+    assert f"  touch {run['dir']}/restarting" in batch
+    for node in ("node1", "node2"):  # no node's supervisor restarts alone
+        args = run["start_args"][node]
+        assert args[args.index("--max-restarts") + 1] == "0"
+
+
 def test_slurm_mode_refusals():
     p, errors = plan(2, full_run=True, options={}, dsc_launch_mode="slurm")
     assert any("dsc_launch_mode on host node1 is 'slurm' but dsc_slurm_install is false" in e for e in errors), errors
-    p, errors = slurm_run(options={"max_restarts": 2})
-    assert any(e.startswith("max_restarts is 2 with dsc_launch_mode slurm") for e in errors), errors
     hostvars, groups, probes = cluster(2, slots="auto", dsc_launch_mode="slurm", dsc_slurm_install=True)
     for h, count in (("node1", 4), ("node2", 2)):
         probes[h] = probe(hostvars[h]["dsc_addr"], gpus=count)

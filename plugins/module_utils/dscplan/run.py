@@ -290,10 +290,12 @@ def _commands(plan, s, run_dir, entry, config_arg, resume):
 def _start_args(plan, s, opt, entry, commands):
     """{node: the node helper's `start` options}, but the port: the supervisor's restarts, stall
     watch and the nodes it tears down (every node through pdsh; its own node where each node
-    starts its own launcher)."""
+    starts its own launcher). In slurm mode the batch job restarts every node's task together,
+    never one node's supervisor alone (batch_files)."""
     pdsh = s["dsc_launch_mode"] == "pdsh"
+    restarts = 0 if s["dsc_launch_mode"] == "slurm" else int(opt["max_restarts"])
     return {node: ["--run-root", plan["run_root"], "--hosts", ",".join(plan["node_names"]) if pdsh else node,
-                   "--max-restarts", str(int(opt["max_restarts"])), "--backoff", str(int(opt["restart_backoff_s"])),
+                   "--max-restarts", str(restarts), "--backoff", str(int(opt["restart_backoff_s"])),
                    "--resume-args", json.dumps(entry["resume_args"]), "--stall-s", str(int(opt["dsc_stall_timeout_s"])),
                    "--py-spy", plan["py_spy"]]
             + (["--stall-fail"] if as_bool(opt["dsc_stall_fail"]) else [])
@@ -306,11 +308,10 @@ def _check_restarts(opt, s, problems):
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not _is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
-    mode = s["dsc_launch_mode"]
-    if mode in ("no_ssh", "slurm") and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
-        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode {mode}. Fix: 0 "
+    if s["dsc_launch_mode"] == "no_ssh" and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
+        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
                      f"(each node's launcher runs on its own there, and a restart must restart every "
-                     f"node's ranks together: the pdsh mode's supervisor does), or dsc_launch_mode pdsh.")
+                     f"node's ranks together: the pdsh mode's supervisor does, and slurm mode's batch job), or dsc_launch_mode pdsh.")
 
 
 def _ds_config_overrides(opt, problems):
@@ -438,7 +439,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     start_args = _start_args(plan, s, opt, entry, commands)
     workdir = entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}"
     files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text),
-                 **(batch_files(plan, run_id, run_dir, workdir, commands, start_args, env)
+                 **(batch_files(plan, run_id, run_dir, workdir, commands, start_args, env,
+                                (int(opt["max_restarts"]), int(opt["restart_backoff_s"])))
                     if s["dsc_launch_mode"] == "slurm" else {}))
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,

@@ -97,13 +97,17 @@ def slurm_plan(s, cluster_name, nodes, probes):
             "cgroup_conf": "CgroupPlugin=autodetect\nConstrainCores=yes\nConstrainDevices=yes\n" if cgroup else ""}
 
 
-def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env):
+def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, restarts):
     """dsc_launch_mode slurm: the run directory's batch job and per-node task (file name -> text).
-    The job holds exactly the plan's nodes (exclusive, their GPUs as gres); its first step takes
-    the first free master port on the master (the node helper's free-port), then one task per
-    node starts that node's DeepSpeed launcher (--no_ssh --node_rank) under the node helper's
-    supervisor in the foreground, on that port. A task that fails ends the others
-    (--kill-on-bad-exit): the ranks of the other nodes do not wait for a node that is gone."""
+    The job holds exactly the plan's nodes (exclusive, their GPUs as gres); each attempt's first
+    step takes the first free master port on the master (the node helper's free-port), then one
+    task per node starts that node's DeepSpeed launcher (--no_ssh --node_rank) under the node
+    helper's supervisor in the foreground, on that port. A task that fails ends the others
+    (--kill-on-bad-exit): the ranks of the other nodes do not wait for a node that is gone. Then,
+    up to `restarts` (max_restarts, backoff_s) times, the job starts every node again from the
+    latest complete checkpoint, after a backoff that doubles (as the supervisor's, up to 600 s);
+    the run directory's `restarting` mark says so meanwhile (status, follow)."""
+    most, backoff = restarts
     gpus = {len(n["gpu_ids"]) or n["gpus"] for n in plan["nodes"]}
     names = ",".join(plan["node_names"])
     q = shlex.quote
@@ -119,21 +123,31 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env):
         *([f"#SBATCH --gres=gpu:{gpus.pop()}"] if gpus and max(gpus) > 0 else []),
         f"#SBATCH --output={run_dir}/slurm-%j.out",
         f"#SBATCH --chdir={workdir}",
-        "set -eu",
-        f"port=$(srun --nodes=1 --ntasks=1 --nodelist={q(plan['master'])} {q(plan['helper'])} free-port "
-        f"{plan['master_port_first']} {plan['master_port_last']})",
-        f"exec srun --nodes={plan['num_nodes']} --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\"",
+        "set -u",
+        "attempt=0",
+        "while :; do",
+        f"  port=$(srun --nodes=1 --ntasks=1 --nodelist={q(plan['master'])} {q(plan['helper'])} free-port "
+        f"{plan['master_port_first']} {plan['master_port_last']}) || exit 3",
+        f"  srun --nodes={plan['num_nodes']} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\" \"$attempt\" && exit 0",
+        f"  [ \"$attempt\" -lt {most} ] || exit 1",
+        "  attempt=$((attempt + 1))",
+        f"  wait_s=$(( {backoff} << (attempt - 1) )); [ \"$wait_s\" -le 600 ] || wait_s=600",
+        f"  touch {q(run_dir + '/' + RunDir.RESTARTING)}",
+        f"  echo \"[dsc slurm] restart $attempt/{most} of every node in $wait_s s from the latest complete checkpoint\"",
+        "  sleep \"$wait_s\"",
+        "done",
     ]
     task = ["#!/bin/bash",
-            f"# Run {run_id}: this node's launcher (Slurm's task on it), on the master port in $1.",
+            f"# Run {run_id}: this node's launcher (Slurm's task on it), on the master port in $1,",
+            "# the batch job's attempt in $2 (above 0: a restart, from the latest complete checkpoint).",
             "set -eu",
             *(f"export {k}={q(str(v))}" for k, v in sorted(dict(env, DS_ENV_FILE=f"{run_dir}/{RunDir.DS_ENV}").items())),
             'case "$SLURMD_NODENAME" in']
     for node, cmd in commands.items():
-        argv = [plan["helper"], "start", run_dir, run_id, "--foreground", "--port", "PORT",
+        argv = [plan["helper"], "start", run_dir, run_id, "--foreground", "--port", "$1", "--attempt", "$2",
                 *start_args[node], "--", *cmd]
-        task.append(f"  {node}) exec " + " ".join('"$1"' if a == "PORT" else q(a) for a in argv) + " ;;")
+        task.append(f"  {node}) exec " + " ".join(f'"{a}"' if a in ("$1", "$2") else q(a) for a in argv) + " ;;")
     task += [f'  *) echo "node $SLURMD_NODENAME is not one of run {run_id}\'s nodes ({names})" >&2; exit 2 ;;',
              "esac"]
     return {RunDir.SLURM_BATCH: "\n".join(batch) + "\n", RunDir.SLURM_TASK: "\n".join(task) + "\n"}
