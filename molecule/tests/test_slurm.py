@@ -119,7 +119,8 @@ def _last_step(cluster, run):
 
 def _lines(output, *needles):
     """The lines of a playbook's output holding any of the needles (the docs show them)."""
-    return [line.strip().strip('",') for line in output.splitlines() if any(n in line for n in needles)]
+    return [line.strip().strip('",') for line in output.splitlines()
+            if any(n in line for n in needles) and "TASK [" not in line]
 
 
 def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, cluster, figures):
@@ -142,6 +143,8 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
     assert job2, queued.output[-3000:]
     runs = cluster.playbook("runs.yml", inventory=inv)
     assert f"1. job {job2.group(1)} dsc-{second} (dstrain), waiting for " in runs.output, runs.output[-3000:]
+    pending = cluster.playbook("status.yml", "-e", f"run_id={second}", inventory=inv)
+    assert re.search(rf"Slurm job {job2.group(1)}: PENDING \(\w+\)", pending.output), pending.output[-3000:]
     status = cluster.playbook("status.yml", "-e", f"run_id={first}", inventory=inv)
     job1 = re.search(r"Slurm job (\d+): RUNNING", status.output)
     assert job1 and "slu2: running, ranks alive 1" in status.output, status.output[-4000:]
@@ -162,6 +165,7 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
     figures("slurm", queued=_lines(queued.output, "submitted as Slurm job"),
             runs=_lines(runs.output, "Slurm queue", "running: job", "1. job"),
             status=_lines(status.output, "Slurm job", ": running, ranks alive"),
+            pending=_lines(pending.output, "Slurm job", ": not started"),
             stop=_lines(stop.output, "JobState=", ": stopped"))
 
 
