@@ -136,7 +136,8 @@ def test_none_mode_passes_no_config_and_resume_args_are_a_setting():
     assert errors == [] and "ds_config.json" not in p["run"]["files"]
     cmd = p["run"]["commands"]["node1"]
     assert not any(a.startswith("--deepspeed") for a in cmd)
-    assert p["run"]["resume_args"] == []
+    args = p["run"]["start_args"]["node1"]
+    assert args[args.index("--resume-args") + 1] == "[]"
 
 
 def test_a_users_own_monitor_and_checkpoint_storage_are_kept(tmp_path):

@@ -131,7 +131,8 @@ def test_accelerate_gets_the_config_through_its_own_variables():
 def test_latest_checkpoint_placeholder_only_in_resume_args():
     p, errors = plan(options={"dsc_resume_args": ["--resume_from_checkpoint", "{latest:out/checkpoint-*}"]},
                      full_run=True)
-    assert errors == [] and p["run"]["resume_args"][-1] == "{latest:out/checkpoint-*}"
+    args = p["run"]["start_args"]["node1"]
+    assert errors == [] and json.loads(args[args.index("--resume-args") + 1])[-1] == "{latest:out/checkpoint-*}"
     p, errors = plan(options={"dsc_entry_args": ["{latest:out/checkpoint-*}"]}, full_run=True)
     assert any("dsc_entry_args holds '{latest:out/checkpoint-*}'" in e for e in errors), errors
     p, errors = plan(options={"dsc_resume_args": ["{latest:$(id)}"]}, full_run=True)
@@ -165,7 +166,7 @@ def test_an_active_run_refuses_a_second_launch_unless_replace():
     p, errors = plan(options={}, full_run=True, runs=ACTIVE)
     assert any("run old is active on node1" in e and "replace=true" in e for e in errors)
     p, errors = plan(options={"replace": True}, full_run=True, runs=ACTIVE)
-    assert errors == [] and p["run"]["replace"] is True
+    assert errors == [] and "--replace" in p["run"]["start_args"]["node1"]
 
 
 def test_a_used_run_directory_is_not_reused_and_resume_needs_a_known_run():

@@ -444,12 +444,10 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
                     if s["dsc_launch_mode"] == "slurm" else {}))
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,
-        "replace": as_bool(opt["replace"]), "dry_run": as_bool(opt["dry_run"]),
+        "dry_run": as_bool(opt["dry_run"]),
         "follow": as_bool(opt["follow"]), "preflight": as_bool(opt["preflight"]),
-        "max_restarts": int(opt["max_restarts"]),
-        "restart_backoff_s": int(opt["restart_backoff_s"]), "batch": sizes,
-        "stall_timeout_s": int(opt["dsc_stall_timeout_s"]), "stall_fail": as_bool(opt["dsc_stall_fail"]),
-        "ds_config": config, "config_mode": mode, "resume_args": entry["resume_args"],
+        "max_restarts": int(opt["max_restarts"]), "batch": sizes,
+        "ds_config": config, "config_mode": mode,
         "ds_config_file": str(opt["dsc_ds_config_file"] or ""),
         "code_dir": entry["code_dir"], "code_shared": entry["shared"],
         "code_dest": f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
