@@ -15,6 +15,7 @@ cluster.json as ip6): the firewall is checked over both families.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -136,6 +137,26 @@ def start_systemd(name, hostname, ip, ip6, image=SYSTEMD_IMAGE):
     sh("podman", "run", "-d", "--name", name, "--hostname", hostname,
        "--network", NETWORK, "--ip", ip, "--ip6", ip6,
        "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--cap-add", "AUDIT_WRITE", image)
+
+
+@contextlib.contextmanager
+def extra_nodes(nodes, where, start, extra=""):
+    """More nodes of the test network beside the cluster (its network and control key): each
+    started by start(container, node), the control key authorised, their host keys pinned in
+    where/known_hosts, their own inventory at where/inventory (with `extra` group settings);
+    yields the inventory once SSH answers, and removes the containers after."""
+    containers = [PREFIX + h["name"] for h in nodes]
+    pub = (STATE / "id_ed25519.pub").read_text()
+    try:
+        for h, container in zip(nodes, containers, strict=True):
+            start(container, h)
+        known = [f"{h['ip']} {authorize(c, pub)}" for h, c in zip(nodes, containers, strict=True)]
+        (where / "known_hosts").write_text("\n".join(known) + "\n")
+        write_inventory(nodes, inv=where / "inventory", known_hosts=where / "known_hosts", extra=extra)
+        wait_ssh(nodes, known_hosts=where / "known_hosts")
+        yield where / "inventory"
+    finally:
+        sh("podman", "rm", "-f", "-t", "0", *containers, check=False)
 
 
 def systemd_image(base):

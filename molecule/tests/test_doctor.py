@@ -27,20 +27,10 @@ def shape(cluster, node, rate, to):
 @pytest.fixture(scope="module")
 def doctor_nodes(cluster, node_image, tmp_path_factory):
     where = tmp_path_factory.mktemp("doctor")
-    containers = [tc.PREFIX + h["name"] for h in NODES]
-    pub = (tc.STATE / "id_ed25519.pub").read_text()
-    try:
-        for h in NODES:
-            tc.start(tc.PREFIX + h["name"], h["name"], h["ip"], h["ip6"], 22, node_image[0])
-        known = [f"{h['ip']} {tc.authorize(tc.PREFIX + h['name'], pub)}" for h in NODES]
-        (where / "known_hosts").write_text("\n".join(known) + "\n")
-        tc.write_inventory(NODES, inv=where / "inventory", known_hosts=where / "known_hosts")
-        tc.wait_ssh(NODES, known_hosts=where / "known_hosts")
-        r = cluster.playbook("provision.yml", "--tags", "network", inventory=where / "inventory")
+    with tc.extra_nodes(NODES, where, lambda c, h: tc.start(c, h["name"], h["ip"], h["ip6"], 22, node_image[0])) as inventory:
+        r = cluster.playbook("provision.yml", "--tags", "network", inventory=inventory)
         assert r.returncode == 0, r.output[-5000:]
-        yield where / "inventory"
-    finally:
-        tc.sh("podman", "rm", "-f", "-t", "0", *containers, check=False)
+        yield inventory
 
 
 def test_doctor_names_the_slow_node_and_the_slow_link(doctor_nodes, cluster, figures):

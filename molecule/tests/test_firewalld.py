@@ -20,20 +20,10 @@ def fwd(cluster, tmp_path_factory):
     """The two systemd nodes (the main cluster's network, control key and outsider), their
     inventory, and the first provision.yml --tags network on them."""
     where = tmp_path_factory.mktemp("firewalld")
-    containers = [tc.PREFIX + h["name"] for h in NODES]
-    pub = (tc.STATE / "id_ed25519.pub").read_text()
-    try:
-        for h in NODES:
-            tc.start_systemd(tc.PREFIX + h["name"], h["name"], h["ip"], h["ip6"])
-        known = [f"{h['ip']} {tc.authorize(tc.PREFIX + h['name'], pub)}" for h in NODES]
-        (where / "known_hosts").write_text("\n".join(known) + "\n")
-        tc.write_inventory(NODES, inv=where / "inventory", known_hosts=where / "known_hosts",
-                           extra=FIREWALLD)
-        tc.wait_ssh(NODES, known_hosts=where / "known_hosts")
-        first = cluster.playbook("provision.yml", "--tags", "network", inventory=where / "inventory")
-        yield {"where": where, "inventory": where / "inventory", "first": first}
-    finally:
-        tc.sh("podman", "rm", "-f", "-t", "0", *containers, check=False)
+    with tc.extra_nodes(NODES, where, lambda c, h: tc.start_systemd(c, h["name"], h["ip"], h["ip6"]),
+                        extra=FIREWALLD) as inventory:
+        first = cluster.playbook("provision.yml", "--tags", "network", inventory=inventory)
+        yield {"where": where, "inventory": inventory, "first": first}
 
 
 def _fw(cluster, node, *args):

@@ -27,21 +27,11 @@ KEY = Path.home() / ".dscluster" / "keys" / "testcluster" / "munge.key"
 def slurm_nodes(cluster, node_image, tmp_path_factory):
     """The two systemd nodes, their inventory, and the first provision.yml --tags network,slurm."""
     where = tmp_path_factory.mktemp("slurm")
-    containers = [tc.PREFIX + h["name"] for h in NODES]
-    pub = (tc.STATE / "id_ed25519.pub").read_text()
-    try:
-        image = tc.systemd_image(node_image[0])
-        for h in NODES:
-            tc.start_systemd(tc.PREFIX + h["name"], h["name"], h["ip"], h["ip6"], image)
-        known = [f"{h['ip']} {tc.authorize(tc.PREFIX + h['name'], pub)}" for h in NODES]
-        (where / "known_hosts").write_text("\n".join(known) + "\n")
-        tc.write_inventory(NODES, inv=where / "inventory", known_hosts=where / "known_hosts", extra=SLURM)
-        tc.wait_ssh(NODES, known_hosts=where / "known_hosts")
-        first = cluster.playbook("provision.yml", "--tags", "network,slurm", inventory=where / "inventory")
-        yield {"inventory": where / "inventory", "first": first}
-    finally:
-        tc.sh("podman", "rm", "-f", "-t", "0", *containers, check=False)
-
+    image = tc.systemd_image(node_image[0])
+    with tc.extra_nodes(NODES, where, lambda c, h: tc.start_systemd(c, h["name"], h["ip"], h["ip6"], image),
+                        extra=SLURM) as inventory:
+        first = cluster.playbook("provision.yml", "--tags", "network,slurm", inventory=inventory)
+        yield {"inventory": inventory, "first": first}
 
 def test_provision_installs_slurm_that_runs_a_step_on_every_node(slurm_nodes, cluster):
     first = slurm_nodes["first"]
