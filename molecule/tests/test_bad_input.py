@@ -20,8 +20,10 @@ CASES = [
     # A trailing newline (a second argument to a command line) and a system directory as a root.
     ({"dsc_run_root": "/opt/dscluster/runs\n"}, ["dsc_run_root on host node1 holds a control character ('\\n')"]),
     ({"dsc_run_root": "/etc"}, ["dsc_run_root on host node1 is '/etc', in the system tree /etc"]),
-    ({"dsc_slurm_install": True, "dsc_slurm_partition": "dsc;touch /tmp/pwned"},
-     ["dsc_slurm_partition on host node1 is 'dsc;touch /tmp/pwned'"]),
+    ({"dsc_slurm_install": True, "dsc_slurm_partition": "dsc;touch /tmp/pwned",
+      "dsc_slurm_account": "$(touch /tmp/pwned)"},
+     ["dsc_slurm_partition on host node1 is 'dsc;touch /tmp/pwned'",
+      "dsc_slurm_account on host node1 is '$(touch /tmp/pwned)'"]),
 ]
 
 

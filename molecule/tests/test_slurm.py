@@ -2,8 +2,10 @@
 network that run systemd (molecule/node-systemd.Containerfile on the provisioned image: its env,
 torch and DeepSpeed), behind the toolkit's firewalld, reached over SSH as the cluster's nodes are:
 `provision.yml --tags network,slurm` (the plan, the training user, the firewall and Slurm alone),
-then runs launched through Slurm (dsc_launch_mode slurm). The containers give slurmd no cgroup
-tree of its own: dsc_slurm_cgroup false (proctrack/linuxproc)."""
+then runs launched through Slurm (dsc_launch_mode slurm), and through it as a site's own Slurm
+(dsc_slurm_install false: its partition and account, the nodes it knows). The containers give
+slurmd no cgroup tree of its own: dsc_slurm_cgroup false (proctrack/linuxproc); a stopped slurmd
+makes its node DOWN after 20 s (dsc_slurm_slurmd_timeout_s) instead of Slurm's 300."""
 import hashlib
 import json
 import re
@@ -18,7 +20,12 @@ NODES = [{"name": f"slu{i}", "ip": tc.addr(50 + i), "ip6": tc.addr6(50 + i), "po
 SLURM = ("cluster_network_firewall_backend: firewalld\n"
          "dsc_slurm_install: true\n"
          "dsc_slurm_cgroup: false\n"
+         "dsc_slurm_slurmd_timeout_s: 20\n"
          "dsc_launch_mode: slurm\n")
+# The same nodes' Slurm as a site's own: the toolkit neither installs nor configures it.
+SITE = ("cluster_network_firewall_backend: firewalld\n"
+        "dsc_launch_mode: slurm\n"
+        "dsc_slurm_account: research\n")
 RUNS = "/opt/dscluster/runs"
 KEY = Path.home() / ".dscluster" / "keys" / "testcluster" / "munge.key"
 
@@ -31,7 +38,11 @@ def slurm_nodes(cluster, node_image, tmp_path_factory):
     with tc.extra_nodes(NODES, where, lambda c, h: tc.start_systemd(c, h["name"], h["ip"], h["ip6"], image),
                         extra=SLURM) as inventory:
         first = cluster.playbook("provision.yml", "--tags", "network,slurm", inventory=inventory)
-        yield {"inventory": inventory, "first": first}
+        tc.write_inventory(NODES, inv=where / "site", known_hosts=where / "known_hosts", extra=SITE)
+        # slu2 under a name Slurm does not know (the same node, reached at the same address).
+        renamed = [NODES[0], dict(NODES[1], name="gpu-07")]
+        tc.write_inventory(renamed, inv=where / "renamed", known_hosts=where / "known_hosts", extra=SITE)
+        yield {"inventory": inventory, "first": first, "site": where / "site", "renamed": where / "renamed"}
 
 def test_provision_installs_slurm_that_runs_a_step_on_every_node(slurm_nodes, cluster):
     first = slurm_nodes["first"]
@@ -65,11 +76,29 @@ def test_a_second_provision_changes_nothing(slurm_nodes, cluster):
     assert all(again.recap[h["name"]]["changed"] == 0 for h in NODES), changed
 
 
-def test_preflight_names_the_node_whose_slurmd_is_stopped(slurm_nodes, cluster):
-    """preflight's fast checks (no all-reduce: these nodes have no env, whose rows fail too)."""
+def _lines(output, *needles):
+    """The lines of a playbook's output holding any of the needles (the docs show them)."""
+    return [line.strip().strip('",') for line in output.splitlines()
+            if any(n in line for n in needles) and "TASK [" not in line]
+
+
+def _slurm_state(cluster, node):
+    return cluster.exec("slu1", f"sinfo --noheader --Node --nodes {node} --format %T").stdout.strip()
+
+
+def test_a_node_whose_slurmd_is_stopped_fails_preflight_and_a_job_pends_for_it(slurm_nodes, cluster, figures):
+    """preflight's fast checks (no all-reduce: these nodes have no env, whose rows fail too) name
+    the node; once slurmctld marks it DOWN (SlurmdTimeout 20 s here), a launch pends with Slurm's
+    reason, which status shows, and stop cancels the pending job."""
+    inv = slurm_nodes["inventory"]
     cluster.exec("slu2", "systemctl stop slurmd")
     try:
-        r = cluster.playbook("preflight.yml", "-e", "preflight_full=false", inventory=slurm_nodes["inventory"])
+        r = cluster.playbook("preflight.yml", "-e", "preflight_full=false", inventory=inv)
+        tc.wait(lambda: _slurm_state(cluster, "slu2").startswith("down"), 90, "slu2 DOWN in Slurm")
+        launched = cluster.playbook("launch.yml", "-e", "run_id=sl-0", "-e", "preflight=false",
+                                    "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=20)}), inventory=inv)
+        pending = cluster.playbook("status.yml", "-e", "run_id=sl-0", inventory=inv)
+        stop = cluster.playbook("stop.yml", "-e", "run_id=sl-0", inventory=inv)
     finally:
         cluster.exec("slu2", "systemctl start slurmd")
     assert r.returncode != 0 and "Preflight failed" in r.output, r.output[-4000:]
@@ -79,6 +108,13 @@ def test_preflight_names_the_node_whose_slurmd_is_stopped(slurm_nodes, cluster):
     assert rows[("slurm", "slu1")] == ("PASS", "slurmd answers; idle in partition dsc"), rows
     assert rows[("slurm", "slu2")][0] == "FAIL" and rows[("slurm", "slu2")][1].startswith("slurmd does not answer"), rows
     assert "systemctl status slurmd on slu2" in r.output
+    assert launched.returncode == 0 and "Run sl-0 submitted as Slurm job" in launched.output, launched.output[-4000:]
+    job = re.search(r"Slurm job (\d+): PENDING \((ReqNodeNotAvail[^)]*)\)", pending.output)
+    assert job and "slu2" in job.group(2), pending.output[-3000:]
+    assert stop.returncode == 0 and f"Slurm job {job.group(1)} of run sl-0: JobState=CANCELLED" in stop.output, stop.output[-3000:]
+    tc.wait(lambda: _slurm_state(cluster, "slu2") == "idle", 60, "slu2 back in service")
+    figures("slurm down", preflight=_lines(r.output, "slurmd does not answer"),
+            pending=_lines(pending.output, "Slurm job"), stop=_lines(stop.output, "JobState="))
 
 
 def _run_state(cluster, run):
@@ -105,12 +141,6 @@ def test_a_run_through_slurm_trains_on_both_nodes_to_the_end(slurm_nodes, cluste
 def _last_step(cluster, run):
     r = cluster.exec("slu1", f"tail -1 {RUNS}/{run}/metrics.jsonl 2>/dev/null", check=False)
     return json.loads(r.stdout)["step"] if r.stdout.strip() else 0
-
-
-def _lines(output, *needles):
-    """The lines of a playbook's output holding any of the needles (the docs show them)."""
-    return [line.strip().strip('",') for line in output.splitlines()
-            if any(n in line for n in needles) and "TASK [" not in line]
 
 
 def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, cluster, figures):
@@ -159,15 +189,30 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
             stop=_lines(stop.output, "JobState=", ": stopped"))
 
 
+def test_a_sites_own_slurm_must_know_every_node_before_a_job_is_submitted(slurm_nodes, cluster):
+    """dsc_slurm_install false: an inventory naming slu2 as Slurm does not (gpu-07, the same node)
+    is refused by the plan, before any node changes and before anything is submitted."""
+    r = cluster.playbook("launch.yml", "-e", "run_id=sl-x", "-e", "preflight=false", inventory=slurm_nodes["renamed"])
+    assert r.returncode != 0, r.output[-3000:]
+    assert ("dsc_launch_mode on host slu1 is 'slurm' but Slurm's partition dsc does not hold gpu-07 (it holds "
+            "slu1, slu2)") in r.output and "Fix: name the inventory's hosts as Slurm names the nodes" in r.output, r.output[-3000:]
+    assert all(v.get("changed", 0) == 0 for v in r.recap.values()), r.recap
+    assert cluster.exec("slu1", "squeue --noheader --name dsc-sl-x").stdout.strip() == ""
+    assert cluster.exec("slu1", f"test -e {RUNS}/sl-x", check=False).returncode != 0
+
+
 def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, cluster):
-    """max_restarts through Slurm: a rank killed on slu2 ends its node's task, which ends the
-    other (--kill-on-bad-exit); the batch job starts both again from the latest complete checkpoint,
-    and the followed run finishes with one restart."""
-    inv, run = slurm_nodes["inventory"], "sl-4"
+    """max_restarts through Slurm, as a site's own (dsc_slurm_install false, the job charged to
+    dsc_slurm_account): a rank killed on slu2 ends its node's task, which ends the other
+    (--kill-on-bad-exit); the batch job starts both again from the latest complete checkpoint, and
+    the followed run finishes with one restart."""
+    inv, run = slurm_nodes["site"], "sl-4"
     r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "preflight=false", "-e", "max_restarts=1",
                          "-e", "restart_backoff_s=1",
                          "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=400, save_every=10)}), inventory=inv)
     assert r.returncode == 0, r.output[-6000:]
+    job = re.search(rf"Run {run} submitted as Slurm job (\d+)", r.output).group(1)
+    assert "Account=research " in cluster.exec("slu1", f"scontrol show job {job}").stdout
     tc.wait(lambda: _last_step(cluster, run) > 25, 180, f"{run} past its second checkpoint")
     victim = tc.wait(lambda: cluster.rank_pids("slu2", run), 30, "a rank on slu2")[0]
     cluster.exec("slu2", f"kill -9 {victim}")

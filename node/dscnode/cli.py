@@ -123,6 +123,7 @@ def parser():
     p = action("probe", _probe, "what the plan needs from this node (read-only)")
     for option in ("--run-root", "--install-root", "--data-dir", "--train-user", "--existing-python"):
         p.add_argument(option, default="")
+    p.add_argument("--slurm", action="store_true", help="also Slurm's partitions and their nodes (sinfo)")
     for name in ("check", "mesh", "listen", "connect"):
         action(name, _preflight, f"preflight's {name} (arguments as JSON in $DSC_PREFLIGHT)")
     p = action("write-run", _write_run, "stdin {files, code, code_dest}: the run's files and code")
@@ -193,7 +194,7 @@ def _warm(a):
 def _probe(a):
     from dscnode.probe import probe
     print(json.dumps(probe(run_root=a.run_root, existing=a.existing_python, install_root=a.install_root,
-                           data_dir=a.data_dir, train_user=a.train_user)))
+                           data_dir=a.data_dir, train_user=a.train_user, slurm=a.slurm)))
 
 
 def _preflight(a):

@@ -236,7 +236,22 @@ def memory_mib():
     return None
 
 
-def probe(run_root="", existing="", install_root="", data_dir="", train_user=""):
+def slurm_partitions():
+    """dsc_launch_mode slurm: {"partitions": {partition: [node names]}} as the Slurm controller
+    this node's client reaches lists them (sinfo), or {"error": why}: the plan checks the
+    inventory's nodes against the master's before a job is submitted."""
+    rc, out, err = run(["sinfo", "--noheader", "--Node", "--format", "%N|%P"], timeout=20)
+    if rc != 0:
+        return {"error": " ".join((err or out).split())[-300:] or f"sinfo exited with {rc}"}
+    partitions = {}
+    for line in out.splitlines():
+        node, _, partition = line.strip().partition("|")
+        if node and partition:  # the default partition is listed with a '*'
+            partitions.setdefault(partition.rstrip("*"), []).append(node)
+    return {"partitions": partitions}
+
+
+def probe(run_root="", existing="", install_root="", data_dir="", train_user="", slurm=False):
     """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
     ib = Path("/sys/class/infiniband")
     return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "memory_mib": memory_mib(), "cpu": cpu_identity(), "gpus": gpus(),
@@ -245,6 +260,7 @@ def probe(run_root="", existing="", install_root="", data_dir="", train_user="")
             "run_root_links": links(run_root) if run_root else [],
             "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(), "ssh_host_keys": ssh_host_keys(),
             **({"existing_python": path_owners(existing)} if existing else {}),
+            **({"slurm": slurm_partitions()} if slurm else {}),
             **({"root_paths": root_path_report(install_root, run_root, data_dir, train_user),
                 "installed": installed(install_root)} if install_root else {})}
 

@@ -399,7 +399,7 @@ def preflight_rows(hostvars, cluster, settings):
             rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {ip.get('error')}",
                              "install iperf3 (base_packages) and allow the cluster's addresses"))
     rows += _allreduce_rows(hv[master].get("__preflight_allreduce"))
-    if (cluster.get("slurm") or {}).get("install"):
+    if (cluster.get("slurm") or {}).get("install") or cluster.get("launch_mode") == "slurm":
         rows += slurm_rows(cluster, {n: hv[n].get("__preflight_slurm") for n in ok})
     return rows
 
@@ -419,11 +419,14 @@ def _answers(registered):
 
 
 def slurm_rows(cluster, registered):
-    """Per node, the Slurm the toolkit installed (dsc_slurm_install): "munge" (the master's
-    credential read there: the one key) and "slurm" (its slurmd answers, slurmctld lists it ready in
-    the partition, with as many GPUs as gres as the plan gives it). `registered`: {node: the
+    """Per node, the Slurm the toolkit installed (dsc_slurm_install) or the site's own that slurm
+    mode launches through: "munge" (the master's credential read there: the one key) and "slurm"
+    (its slurmd answers, slurmctld lists it ready in the partition, with as many GPUs as gres as
+    the plan gives it). `registered`: {node: the
     registered loop of roles/preflight/tasks/slurm.yml}, for the nodes that answered preflight."""
     master, partition = cluster["master"], cluster["slurm"]["partition"]
+    # Where the toolkit did not install Slurm, the site's configuration is what to fix.
+    ours = cluster["slurm"]["install"]
     answers = {n: _answers(r) for n, r in registered.items()}
     rc, text = answers.get(master, {}).get("sinfo", (None, "not asked"))
     listed = {}
@@ -442,7 +445,7 @@ def slurm_rows(cluster, registered):
         rows.append(_row("munge", n, "PASS" if mrc == 0 else "FAIL",
                          f"a credential made on {master} verified" if mrc == 0 else f"unmunge: {mtext}",
                          f"the cluster's one key in /etc/munge/munge.key and munge running on {n} and "
-                         f"{master}: provision.yml --tags slurm copies it"))
+                         f"{master}: " + ("provision.yml --tags slurm copies it" if ours else "the site's key")))
         drc, dtext = answers[n].get("slurmd", (None, "not asked"))
         want = len(node.get("gpu_ids") or []) or node.get("gpus", 0)
         if drc != 0:
@@ -453,7 +456,8 @@ def slurm_rows(cluster, registered):
             continue
         elif n not in listed:
             rows.append(_row("slurm", n, "FAIL", f"slurmctld does not list {n} in partition {partition}",
-                             "provision.yml --tags slurm (slurm.conf from the inventory)"))
+                             "provision.yml --tags slurm (slurm.conf from the inventory)" if ours else
+                             f"the site's slurm.conf must list {n} (the inventory's name) in partition {partition}"))
         else:
             state, gres, reason = listed[n]
             have = sum(int(x) for x in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", gres))
@@ -463,7 +467,8 @@ def slurm_rows(cluster, registered):
                                  f"fix that reason on {n}, then `scontrol update nodename={n} state=resume`"))
             elif have != want:
                 rows.append(_row("slurm", n, "FAIL", f"Slurm gives gpu:{have}, the plan {want} (nvidia-smi, "
-                                 f"dsc_gpus)", "provision.yml --tags slurm (gres.conf from the probe)"))
+                                 f"dsc_gpus)", "provision.yml --tags slurm (gres.conf from the probe)" if ours else
+                                 f"the site's gres.conf for {n}, or dsc_gpus"))
             else:
                 rows.append(_row("slurm", n, "PASS", f"slurmd answers; {state} in partition {partition}"
                                  + (f", gres gpu:{have}" if have else "")))

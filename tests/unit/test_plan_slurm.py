@@ -1,7 +1,8 @@
 """Slurm as the plan derives it (dscplan.slurm): slurm.conf's nodes from the inventory and the
 probes, the GPUs as gres, cgroup or not (dsc_slurm_install); dsc_launch_mode slurm's batch job and
-each node's task; and the refusals of a partition Slurm would read as more than a name, of a launch
-through a Slurm the toolkit did not install, of restarts and of differing GPU counts.
+each node's task; a site's own Slurm (its partition and account, the nodes it knows); and the
+refusals of a partition or account Slurm would read as more than a name, of nodes the master's
+Slurm does not list, of restarts and of differing GPU counts.
 
     .venv/bin/pytest tests/unit/test_plan_slurm.py -q
 """
@@ -21,18 +22,19 @@ def conf_lines(p):
 def test_off_by_default_and_nothing_rendered():
     p, errors = plan(2)
     assert errors == []
-    assert p["slurm"] == {"install": False, "partition": "dsc", "controller": "", "conf": "",
+    assert p["slurm"] == {"install": False, "partition": "dsc", "account": "", "controller": "", "conf": "",
                           "gres_conf": "", "cgroup_conf": ""}
 
 
 def test_nodes_from_the_inventory_and_the_probe():
-    hostvars, groups, probes = cluster(2, dsc_slurm_install=True)
+    hostvars, groups, probes = cluster(2, dsc_slurm_install=True, dsc_slurm_slurmd_timeout_s=30)
     probes["node1"].update(cpus=64, memory_mib=515000)
     probes["node2"].update(cpus=32, memory_mib=257000)
     p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
     assert errors == []
     lines = conf_lines(p)
     assert "SlurmctldHost=node1(10.0.0.11)" in lines and "AuthType=auth/munge" in lines
+    assert "SlurmdTimeout=30" in lines and "ReturnToService=2" in lines
     assert "NodeName=node1 NodeAddr=10.0.0.11 CPUs=64 RealMemory=489250 State=UNKNOWN" in lines
     assert "NodeName=node2 NodeAddr=10.0.0.12 CPUs=32 RealMemory=244150 State=UNKNOWN" in lines
     assert "PartitionName=dsc Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP" in lines
@@ -123,9 +125,48 @@ def test_restarts_are_the_batch_jobs_every_node_at_once():
         assert args[args.index("--max-restarts") + 1] == "0"
 
 
+def test_a_sites_own_slurm_takes_its_partition_and_account_and_must_know_every_node():
+    p, errors = plan(2, full_run=True, options={}, dsc_launch_mode="slurm", dsc_slurm_partition="gpu",
+                     dsc_slurm_account="research")
+    assert errors == []
+    assert p["slurm"] == {"install": False, "partition": "gpu", "account": "research", "controller": "", "conf": "",
+                          "gres_conf": "", "cgroup_conf": ""}
+    batch = p["run"]["files"]["slurm.sbatch"].splitlines()
+    assert "#SBATCH --partition=gpu" in batch and "#SBATCH --account=research" in batch
+    assert not any(x.startswith("#SBATCH --account") for x in slurm_run()[0]["run"]["files"]["slurm.sbatch"].splitlines())
+
+    def refusals(view):
+        hostvars, groups, probes = cluster(2, dsc_launch_mode="slurm", dsc_slurm_partition="gpu")
+        probes["node1"]["slurm"] = view
+        return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)[1]
+
+    errors = refusals({"partitions": {"gpu": ["node1", "gpu-07"], "debug": ["node2"]}})
+    assert errors == ["dsc_launch_mode on host node1 is 'slurm' but Slurm's partition gpu does not hold node2 (it "
+                      "holds node1, gpu-07): the job's node list is the inventory's names. Fix: name the "
+                      "inventory's hosts as Slurm names the nodes (NodeName in slurm.conf; sinfo -N on node1), "
+                      "or the partition that holds them (dsc_slurm_partition)."], errors
+    errors = refusals({"partitions": {"debug": ["node1", "node2"], "batch": []}})
+    assert errors == ["dsc_slurm_partition on host node1 is 'gpu' but Slurm has no such partition (it has batch, "
+                      "debug). Fix: the partition that holds the inventory's nodes (sinfo on node1)."], errors
+    errors = refusals({"error": "[Errno 2] No such file or directory: 'sinfo'"})
+    assert len(errors) == 1 and errors[0].startswith(
+        "dsc_launch_mode on host node1 is 'slurm' but Slurm does not answer there: sinfo: [Errno 2]"), errors
+    assert "Fix: the Slurm client and munge on node1" in errors[0]
+    # Provisioning and status read no Slurm: only a launch (or resume) checks the nodes.
+    hostvars, groups, probes = cluster(2, dsc_launch_mode="slurm")
+    del probes["node1"]["slurm"]
+    assert dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {})[1] == []
+
+
+@pytest.mark.parametrize("var, value", [("dsc_slurm_account", "a b"), ("dsc_slurm_account", "-x"),
+                                        ("dsc_slurm_account", "acct,other"), ("dsc_slurm_slurmd_timeout_s", 0),
+                                        ("dsc_slurm_slurmd_timeout_s", "5m")])
+def test_an_account_or_timeout_slurm_would_misread_is_refused(var, value):
+    p, errors = plan(2, **{var: value})
+    assert p is None and any(e.startswith(f"{var} on host node1 is {value!r}. Fix: ") for e in errors), errors
+
+
 def test_slurm_mode_refusals():
-    p, errors = plan(2, full_run=True, options={}, dsc_launch_mode="slurm")
-    assert any("dsc_launch_mode on host node1 is 'slurm' but dsc_slurm_install is false" in e for e in errors), errors
     hostvars, groups, probes = cluster(2, slots="auto", dsc_launch_mode="slurm", dsc_slurm_install=True)
     for h, count in (("node1", 4), ("node2", 2)):
         probes[h] = probe(hostvars[h]["dsc_addr"], gpus=count)

@@ -268,7 +268,13 @@ def test_slurm_rows_name_the_bad_key_the_stopped_slurmd_the_down_node_and_the_gp
 def test_slurm_rows_a_node_slurmctld_does_not_list_and_a_controller_that_does_not_answer():
     rows = preflight.slurm_rows(SLURM_CLUSTER, {"node1": _slurm_reads(sinfo="node1|idle|gpu:4|none"),
                                                 "node2": _slurm_reads()})
-    assert [r["detail"] for r in rows if r["status"] == "FAIL"] == ["slurmctld does not list node2 in partition dsc"]
+    assert [(r["detail"], r["fix"]) for r in rows if r["status"] == "FAIL"] == [
+        ("slurmctld does not list node2 in partition dsc", "provision.yml --tags slurm (slurm.conf from the inventory)")]
+    # A site's own Slurm (slurm mode without dsc_slurm_install): the site's configuration is the fix.
+    site = dict(SLURM_CLUSTER, slurm={"install": False, "partition": "dsc"})
+    rows = preflight.slurm_rows(site, {"node1": _slurm_reads(sinfo="node1|idle|gpu:4|none"), "node2": _slurm_reads()})
+    assert [r["fix"] for r in rows if r["status"] == "FAIL"] == [
+        "the site's slurm.conf must list node2 (the inventory's name) in partition dsc"]
     down = _slurm_reads(sinfo="")
     down["results"][2] = {"item": {"name": "sinfo"}, "rc": 1, "stdout": "",
                           "stderr": "sinfo: error: Unable to contact slurm controller (connect failure)"}

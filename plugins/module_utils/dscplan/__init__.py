@@ -65,7 +65,7 @@ from .settings import (
     templates_in,
     undeclared_settings,
 )
-from .slurm import slurm_plan, slurm_problems
+from .slurm import slurm_node_problems, slurm_plan, slurm_problems
 from .topology import _firewall_backends, _nodes, network_env, node_order, training_address
 
 # What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
@@ -262,6 +262,9 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     if full_run:
         plan.run = _run(asdict(plan), s, options, defaults, paths, problems, plan.runs, now,
                         refuse_active, extra_vars)
+        if plan.launch_mode == "slurm" and plan.run:
+            slurm_node_problems(plan.master, plan.slurm["partition"], plan.node_names,
+                                (probes.get(plan.master) or {}).get("slurm"), problems)
     else:
         run_id, run_dir, problem = run_reference(str(options.get("run_id") or ""), plan.runs, plan.run_root)
         if problem:

@@ -59,7 +59,7 @@ class Plan:
     master_port_first: int
     master_port_last: int
     launch_mode: str  # pdsh or no_ssh (dsc_launch_mode)
-    slurm: dict  # roles/slurm's configuration (dsc_slurm_install; dscplan.slurm): install, partition, controller, conf, gres_conf, cgroup_conf
+    slurm: dict  # roles/slurm's configuration (dsc_slurm_install; dscplan.slurm): install, partition, account, controller, conf, gres_conf, cgroup_conf
     firewall: bool  # roles/cluster_network manages the host firewall (cluster_network_firewall)
     ssh_sources: list[str]  # cluster_network_ssh_sources
     node_env: dict[str, str]  # the environment of every DeepSpeed process on a node (op builds, probes)

@@ -38,7 +38,8 @@ CLUSTER_SETTINGS = (
     "dsc_rank_env", "dsc_nccl_debug", "dsc_pg_timeout_min",
     "dsc_requirements", "dsc_requirements_file", "dsc_data_dir", "dsc_data_shared",
     "cluster_network_firewall", "cluster_network_firewall_backend", "cluster_network_ssh_sources",
-    "dsc_slurm_install", "dsc_slurm_partition", "dsc_slurm_cgroup",
+    "dsc_slurm_install", "dsc_slurm_partition", "dsc_slurm_account", "dsc_slurm_cgroup",
+    "dsc_slurm_slurmd_timeout_s",
 )
 # Checked like a cluster setting, but its values never enter the plan or a message (names only).
 SECRET_SETTINGS = ("dsc_secrets",)

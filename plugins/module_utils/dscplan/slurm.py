@@ -22,20 +22,21 @@ PORTS = {"SlurmctldPort": 6817, "SlurmdPort": 6818}
 
 
 def slurm_problems(s, nodes, where, problems):
-    """The refusals of Slurm's settings: a partition Slurm would read as more than a name (the
-    nodes' names are inventory names, already letters, digits, '.' and '-': topology.HOST_NAME);
-    launching through a Slurm the toolkit did not install; nodes whose GPU counts differ, which
-    one job's gres can't give."""
-    partition = str(s["dsc_slurm_partition"])
-    if not SLURM_NAME.fullmatch(partition):
-        problems.add(f"dsc_slurm_partition {where} is {partition!r}. Fix: letters, digits, '.', '_' "
-                     f"and '-' only, starting with a letter or digit (e.g. 'dsc').")
+    """The refusals of Slurm's settings: a partition or account Slurm would read as more than a
+    name (the nodes' names are inventory names, already letters, digits, '.' and '-':
+    topology.HOST_NAME); a SlurmdTimeout that is not a positive number of seconds; nodes whose
+    GPU counts differ, which one job's gres can't give."""
+    for var, example in (("dsc_slurm_partition", "'dsc'"), ("dsc_slurm_account", "'research', or '' for the user's default")):
+        value = str(s[var])
+        if (value or var == "dsc_slurm_partition") and not SLURM_NAME.fullmatch(value):
+            problems.add(f"{var} {where} is {value!r}. Fix: letters, digits, '.', '_' and '-' only, "
+                         f"starting with a letter or digit (e.g. {example}).")
+    timeout = s["dsc_slurm_slurmd_timeout_s"]
+    if not re.fullmatch(r"[0-9]+", str(timeout)) or int(timeout) <= 0:
+        problems.add(f"dsc_slurm_slurmd_timeout_s {where} is {timeout!r}. Fix: seconds, a whole number "
+                     f"above 0 (Slurm's default is 300).")
     if s["dsc_launch_mode"] != "slurm":
         return
-    if not as_bool(s["dsc_slurm_install"]):
-        problems.add(f"dsc_launch_mode {where} is 'slurm' but dsc_slurm_install is false: launching "
-                     f"through a site's own Slurm is not supported yet. Fix: dsc_slurm_install: true "
-                     f"(provision.yml installs Slurm on these nodes), or dsc_launch_mode pdsh or no_ssh.")
     counts = {n["name"]: len(n["gpu_ids"]) or n["gpus"] for n in nodes if n["reachable"]}
     if len(set(counts.values())) > 1:
         detail = ", ".join(f"{k} {v}" for k, v in counts.items())
@@ -44,12 +45,41 @@ def slurm_problems(s, nodes, where, problems):
                      f"node (dsc_gpus), or dsc_launch_mode pdsh.")
 
 
+def slurm_node_problems(master, partition, names, view, problems):
+    """dsc_launch_mode slurm, before a job is submitted (launch, resume): the Slurm the master's
+    client reaches (`view`: its probe's sinfo, dscnode.probe.slurm_partitions) answers, has the
+    partition, and the partition holds every node under its inventory name (the job's
+    --nodelist): a site's own Slurm, or the one roles/slurm installed."""
+    where = f"on host {master}"
+    if view is None:  # the master did not answer: its own refusal says so
+        return
+    if "error" in view:
+        problems.add(f"dsc_launch_mode {where} is 'slurm' but Slurm does not answer there: sinfo: "
+                     f"{view['error']}. Fix: the Slurm client and munge on {master}, reaching "
+                     f"slurmctld (`scontrol ping`), or dsc_slurm_install: true and provision.yml "
+                     f"(the toolkit installs Slurm on the nodes).")
+        return
+    held = view["partitions"].get(partition)
+    if held is None:
+        problems.add(f"dsc_slurm_partition {where} is {partition!r} but Slurm has no such partition "
+                     f"(it has {', '.join(sorted(view['partitions'])) or 'none'}). Fix: the partition "
+                     f"that holds the inventory's nodes (sinfo on {master}).")
+        return
+    missing = [n for n in names if n not in held]
+    if missing:
+        problems.add(f"dsc_launch_mode {where} is 'slurm' but Slurm's partition {partition} does not hold "
+                     f"{', '.join(missing)} (it holds {', '.join(held)}): the job's node list is the "
+                     f"inventory's names. Fix: name the inventory's hosts as Slurm names the nodes "
+                     f"(NodeName in slurm.conf; sinfo -N on {master}), or the partition that holds "
+                     f"them (dsc_slurm_partition).")
+
+
 def slurm_plan(s, cluster_name, nodes, probes):
-    """{install, partition, controller, conf, gres_conf, cgroup_conf} (install false: the rest
-    empty but the partition)."""
+    """{install, partition, account, controller, conf, gres_conf, cgroup_conf} (install false: a
+    site's own Slurm, or none; controller and the files empty)."""
+    names = {"partition": str(s["dsc_slurm_partition"]), "account": str(s["dsc_slurm_account"] or "")}
     if not as_bool(s["dsc_slurm_install"]):
-        return {"install": False, "partition": str(s["dsc_slurm_partition"]), "controller": "",
-                "conf": "", "gres_conf": "", "cgroup_conf": ""}
+        return {"install": False, **names, "controller": "", "conf": "", "gres_conf": "", "cgroup_conf": ""}
     cgroup = as_bool(s["dsc_slurm_cgroup"])
     # The GPUs Slurm may give a job on each node: dsc_gpus' choice, else every one nvidia-smi lists.
     gpu_ids = {n["name"]: n["gpu_ids"] or list(range(n["gpus"])) for n in nodes}
@@ -76,6 +106,8 @@ def slurm_plan(s, cluster_name, nodes, probes):
         "SelectTypeParameters=CR_Core_Memory",
         # A node that comes back with its configuration valid is put back in service.
         "ReturnToService=2",
+        # A node whose slurmd has not answered for this long is DOWN (jobs that need it pend).
+        f"SlurmdTimeout={int(s['dsc_slurm_slurmd_timeout_s'])}",
         "SchedulerType=sched/backfill",
         "JobAcctGatherType=jobacct_gather/none",
         "MpiDefault=none",
@@ -92,7 +124,7 @@ def slurm_plan(s, cluster_name, nodes, probes):
     lines.append(f"PartitionName={s['dsc_slurm_partition']} Nodes={','.join(n['name'] for n in nodes)} "
                  f"Default=YES MaxTime=INFINITE State=UP")
     gres = [f"NodeName={n['name']} Name=gpu File=/dev/nvidia{i}" for n in nodes for i in gpu_ids[n["name"]]]
-    return {"install": True, "partition": str(s["dsc_slurm_partition"]), "controller": nodes[0]["name"],
+    return {"install": True, **names, "controller": nodes[0]["name"],
             "conf": "\n".join(lines) + "\n", "gres_conf": "\n".join(gres) + "\n" if gres else "",
             "cgroup_conf": "CgroupPlugin=autodetect\nConstrainCores=yes\nConstrainDevices=yes\n" if cgroup else ""}
 
@@ -116,6 +148,7 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
         f"# Run {run_id}, written by the toolkit (launch.yml submits it with sbatch on the master).",
         f"#SBATCH --job-name=dsc-{run_id}",
         f"#SBATCH --partition={plan['slurm']['partition']}",
+        *([f"#SBATCH --account={plan['slurm']['account']}"] if plan["slurm"]["account"] else []),
         f"#SBATCH --nodes={plan['num_nodes']}",
         f"#SBATCH --nodelist={names}",
         "#SBATCH --ntasks-per-node=1",
