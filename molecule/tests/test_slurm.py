@@ -145,7 +145,7 @@ def _last_step(cluster, run):
 
 def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, cluster, figures):
     """A long run; a second launch queues behind it (launch.yml returns saying so, runs.yml numbers
-    it); stop cancels the first job (CANCELLED, nothing left on either node) and the queued run
+    it, a resume of it is refused: it would be submitted twice); stop cancels the first job (CANCELLED, nothing left on either node) and the queued run
     starts and is followed to its end; the first resumes from its checkpoint to a nearer end."""
     inv = slurm_nodes["inventory"]
     first, second = "sl-2", "sl-3"
@@ -156,7 +156,7 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
         assert r.returncode == 0, r.output[-6000:]
         return r
 
-    launch(first, steps=100000, save_every=20)
+    launch(first, **tc.UNTIL_STOPPED, save_every=20)
     tc.wait(lambda: _last_step(cluster, first) > 45, 180, f"{first} past its second checkpoint")
     queued = launch(second, steps=30)
     job2 = re.search(rf"Run {second} submitted as Slurm job (\d+) \(world size 2, partition dsc\): PENDING", queued.output)
@@ -165,6 +165,9 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
     assert f"1. job {job2.group(1)} dsc-{second} (dstrain), waiting for " in runs.output, runs.output[-3000:]
     pending = cluster.playbook("status.yml", "-e", f"run_id={second}", inventory=inv)
     assert re.search(rf"Slurm job {job2.group(1)}: PENDING \(\w+\)", pending.output), pending.output[-3000:]
+    twice = cluster.playbook("resume.yml", "-e", f"run_id={second}", inventory=inv)  # not started: not active
+    assert twice.returncode != 0 and f"run_id '{second}' is Slurm job {job2.group(1)} (PENDING) on slu1 already" \
+        in twice.output, twice.output[-3000:]
     status = cluster.playbook("status.yml", "-e", f"run_id={first}", inventory=inv)
     job1 = re.search(r"Slurm job (\d+): RUNNING", status.output)
     assert job1 and "slu2: running, ranks alive 1" in status.output, status.output[-4000:]
@@ -206,10 +209,10 @@ def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, clus
     dsc_slurm_account): a rank killed on slu2 ends its node's task, which ends the other
     (--kill-on-bad-exit); the batch job starts both again from the latest complete checkpoint, and
     the followed run finishes with one restart."""
-    inv, run = slurm_nodes["site"], "sl-4"
+    inv, run, steps = slurm_nodes["site"], "sl-4", 150
     r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "preflight=false", "-e", "max_restarts=1",
                          "-e", "restart_backoff_s=1",
-                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=400, save_every=10)}), inventory=inv)
+                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=steps, save_every=10, min_step_s=0.05)}), inventory=inv)
     assert r.returncode == 0, r.output[-6000:]
     job = re.search(rf"Run {run} submitted as Slurm job (\d+)", r.output).group(1)
     assert "Account=research " in cluster.exec("slu1", f"scontrol show job {job}").stdout
@@ -217,9 +220,9 @@ def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, clus
     victim = tc.wait(lambda: cluster.rank_pids("slu2", run), 30, "a rank on slu2")[0]
     cluster.exec("slu2", f"kill -9 {victim}")
     followed = cluster.playbook("status.yml", "-e", f"run_id={run}", "-e", "follow=true", inventory=inv)
-    assert followed.returncode == 0 and f"Run {run} finished at step 400." in followed.output, followed.output[-4000:]
+    assert followed.returncode == 0 and f"Run {run} finished at step {steps}." in followed.output, followed.output[-4000:]
     out = cluster.exec("slu1", f"cat {RUNS}/{run}/slurm-*.out").stdout
     assert "[dsc slurm] restart 1/1 of every node in 1 s from the latest complete checkpoint" in out, out[-2000:]
     assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
     summary = json.loads(cluster.exec("slu1", f"cat {RUNS}/{run}/summary.json").stdout)
-    assert 10 <= summary["start_step"] < 400, summary  # the second attempt resumed from a checkpoint
+    assert 10 <= summary["start_step"] < steps, summary  # the second attempt resumed from a checkpoint

@@ -237,18 +237,27 @@ def memory_mib():
 
 
 def slurm_partitions():
-    """dsc_launch_mode slurm: {"partitions": {partition: [node names]}} as the Slurm controller
-    this node's client reaches lists them (sinfo), or {"error": why}: the plan checks the
-    inventory's nodes against the master's before a job is submitted."""
+    """dsc_launch_mode slurm: {"partitions": {partition: [node names]}, "jobs": {job name: [id,
+    state]}} as the Slurm controller this node's client reaches lists them (sinfo, squeue), or
+    {"error": why}: the plan checks the inventory's nodes against the master's, and a run's job
+    already queued, before a job is submitted."""
     rc, out, err = run(["sinfo", "--noheader", "--Node", "--format", "%N|%P"], timeout=20)
+    if rc == 0:
+        rc, queue, err = run(["squeue", "--noheader", "--states", "PENDING,CONFIGURING,RUNNING,SUSPENDED,REQUEUED",
+                              "--format", "%j|%i|%T"], timeout=20)
     if rc != 0:
-        return {"error": " ".join((err or out).split())[-300:] or f"sinfo exited with {rc}"}
+        return {"error": " ".join((err or out).split())[-300:] or f"sinfo or squeue exited with {rc}"}
     partitions = {}
     for line in out.splitlines():
         node, _, partition = line.strip().partition("|")
         if node and partition:  # the default partition is listed with a '*'
             partitions.setdefault(partition.rstrip("*"), []).append(node)
-    return {"partitions": partitions}
+    jobs = {}
+    for line in queue.splitlines():
+        name, _, rest = line.strip().partition("|")
+        if rest:
+            jobs[name] = rest.split("|")
+    return {"partitions": partitions, "jobs": jobs}
 
 
 def probe(run_root="", existing="", install_root="", data_dir="", train_user="", slurm=False):

@@ -28,7 +28,8 @@ def cluster(n=2, slots=2, gpus=0, runs=(), **settings):
                 for i, h in enumerate(names)}
     probes = {h: probe(f"10.0.0.{11 + i}", gpus, runs=runs if i == 0 else ()) for i, h in enumerate(names)}
     if settings.get("dsc_launch_mode") == "slurm":  # the master's sinfo: a partition of every node
-        probes[names[0]]["slurm"] = {"partitions": {settings.get("dsc_slurm_partition", "dsc"): names}}
+        probes[names[0]]["slurm"] = {"partitions": {settings.get("dsc_slurm_partition", "dsc"): names},
+                                     "jobs": {}}
     return hostvars, {"cluster": names}, probes
 
 

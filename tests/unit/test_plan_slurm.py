@@ -152,6 +152,14 @@ def test_a_sites_own_slurm_takes_its_partition_and_account_and_must_know_every_n
     assert len(errors) == 1 and errors[0].startswith(
         "dsc_launch_mode on host node1 is 'slurm' but Slurm does not answer there: sinfo: [Errno 2]"), errors
     assert "Fix: the Slurm client and munge on node1" in errors[0]
+    errors = refusals({"partitions": {"gpu": ["node1", "node2"]}, "jobs": {"dsc-r7": ["12", "PENDING"]}})
+    assert errors == []
+    hostvars, groups, probes = cluster(2, dsc_launch_mode="slurm", runs=[{"id": "r7", "started": False}])
+    probes["node1"]["slurm"]["jobs"] = {"dsc-r7": ["12", "PENDING"]}
+    for options in ({"run_id": "r7"}, {"run_id": "r7", "resume": True}):
+        errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, options, full_run=True)[1]
+        assert "run_id 'r7' is Slurm job 12 (PENDING) on node1 already: a second job would run it twice. " \
+               "Fix: follow it (status.yml -e run_id=r7 -e follow=true), or stop it first (stop.yml -e run_id=r7)." in errors, errors
     # Provisioning and status read no Slurm: only a launch (or resume) checks the nodes.
     hostvars, groups, probes = cluster(2, dsc_launch_mode="slurm")
     del probes["node1"]["slurm"]

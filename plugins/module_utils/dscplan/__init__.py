@@ -263,7 +263,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         plan.run = _run(asdict(plan), s, options, defaults, paths, problems, plan.runs, now,
                         refuse_active, extra_vars)
         if plan.launch_mode == "slurm" and plan.run:
-            slurm_node_problems(plan.master, plan.slurm["partition"], plan.node_names,
+            slurm_node_problems(plan.master, plan.slurm["partition"], plan.node_names, plan.run["id"],
                                 (probes.get(plan.master) or {}).get("slurm"), problems)
     else:
         run_id, run_dir, problem = run_reference(str(options.get("run_id") or ""), plan.runs, plan.run_root)

@@ -45,11 +45,13 @@ def slurm_problems(s, nodes, where, problems):
                      f"node (dsc_gpus), or dsc_launch_mode pdsh.")
 
 
-def slurm_node_problems(master, partition, names, view, problems):
+def slurm_node_problems(master, partition, names, run_id, view, problems):
     """dsc_launch_mode slurm, before a job is submitted (launch, resume): the Slurm the master's
-    client reaches (`view`: its probe's sinfo, dscnode.probe.slurm_partitions) answers, has the
-    partition, and the partition holds every node under its inventory name (the job's
-    --nodelist): a site's own Slurm, or the one roles/slurm installed."""
+    client reaches (`view`: its probe's sinfo and squeue, dscnode.probe.slurm_partitions)
+    answers, has the partition, and the partition holds every node under its inventory name (the
+    job's --nodelist): a site's own Slurm, or the one roles/slurm installed. And the run has no
+    job in the queue already (pending, it is not active on the nodes yet: a second submission
+    would run it twice)."""
     where = f"on host {master}"
     if view is None:  # the master did not answer: its own refusal says so
         return
@@ -59,6 +61,11 @@ def slurm_node_problems(master, partition, names, view, problems):
                      f"slurmctld (`scontrol ping`), or dsc_slurm_install: true and provision.yml "
                      f"(the toolkit installs Slurm on the nodes).")
         return
+    queued = (view.get("jobs") or {}).get(f"dsc-{run_id}")
+    if queued:
+        problems.add(f"run_id {run_id!r} is Slurm job {queued[0]} ({queued[1]}) on {master} already: a "
+                     f"second job would run it twice. Fix: follow it (status.yml -e run_id={run_id} "
+                     f"-e follow=true), or stop it first (stop.yml -e run_id={run_id}).")
     held = view["partitions"].get(partition)
     if held is None:
         problems.add(f"dsc_slurm_partition {where} is {partition!r} but Slurm has no such partition "
