@@ -208,7 +208,7 @@ def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, clus
     """max_restarts through Slurm, as a site's own (dsc_slurm_install false, the job charged to
     dsc_slurm_account): a rank killed on slu2 ends its node's task, which ends the other
     (--kill-on-bad-exit); the batch job starts both again from the latest complete checkpoint, and
-    the followed run finishes with one restart."""
+    the followed run finishes with one restart, its job COMPLETED in status."""
     inv, run, steps = slurm_nodes["site"], "sl-4", 150
     r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "preflight=false", "-e", "max_restarts=1",
                          "-e", "restart_backoff_s=1",
@@ -221,6 +221,8 @@ def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, clus
     cluster.exec("slu2", f"kill -9 {victim}")
     followed = cluster.playbook("status.yml", "-e", f"run_id={run}", "-e", "follow=true", inventory=inv)
     assert followed.returncode == 0 and f"Run {run} finished at step {steps}." in followed.output, followed.output[-4000:]
+    ended = cluster.playbook("status.yml", "-e", f"run_id={run}", inventory=inv)
+    assert f"Slurm job {job}: COMPLETED" in ended.output, ended.output[-3000:]  # kept until MinJobAge
     out = cluster.exec("slu1", f"cat {RUNS}/{run}/slurm-*.out").stdout
     assert "[dsc slurm] restart 1/1 of every node in 1 s from the latest complete checkpoint" in out, out[-2000:]
     assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
