@@ -123,7 +123,7 @@ def parser():
     p = action("probe", _probe, "what the plan needs from this node (read-only)")
     for option in ("--run-root", "--install-root", "--data-dir", "--train-user", "--existing-python"):
         p.add_argument(option, default="")
-    p.add_argument("--slurm", action="store_true", help="also Slurm's partitions and their nodes (sinfo)")
+    p.add_argument("--slurm", action="store_true", help="also Slurm's partitions, their nodes and the queue (sinfo, squeue)")
     for name in ("check", "mesh", "listen", "connect"):
         action(name, _preflight, f"preflight's {name} (arguments as JSON in $DSC_PREFLIGHT)")
     p = action("write-run", _write_run, "stdin {files, code, code_dest}: the run's files and code")

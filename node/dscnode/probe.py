@@ -239,12 +239,11 @@ def memory_mib():
 def slurm_partitions():
     """dsc_launch_mode slurm: {"partitions": {partition: [node names]}, "jobs": {job name: [id,
     state]}} as the Slurm controller this node's client reaches lists them (sinfo, squeue), or
-    {"error": why}: the plan checks the inventory's nodes against the master's, and a run's job
+    {"error": why} (either's): the plan checks the inventory's nodes against the master's, and a run's job
     already queued, before a job is submitted."""
     rc, out, err = run(["sinfo", "--noheader", "--Node", "--format", "%N|%P"], timeout=20)
     if rc == 0:
-        rc, queue, err = run(["squeue", "--noheader", "--states", "PENDING,CONFIGURING,RUNNING,SUSPENDED,REQUEUED",
-                              "--format", "%j|%i|%T"], timeout=20)
+        rc, queue, err = run(["squeue", "--noheader", "--format", "%j|%i|%T"], timeout=20)  # pending, running, ending
     if rc != 0:
         return {"error": " ".join((err or out).split())[-300:] or f"sinfo or squeue exited with {rc}"}
     partitions = {}

@@ -150,7 +150,7 @@ def test_a_sites_own_slurm_takes_its_partition_and_account_and_must_know_every_n
                       "debug). Fix: the partition that holds the inventory's nodes (sinfo on node1)."], errors
     errors = refusals({"error": "[Errno 2] No such file or directory: 'sinfo'"})
     assert len(errors) == 1 and errors[0].startswith(
-        "dsc_launch_mode on host node1 is 'slurm' but Slurm does not answer there: sinfo: [Errno 2]"), errors
+        "dsc_launch_mode on host node1 is 'slurm' but Slurm does not answer there (sinfo, squeue): [Errno 2]"), errors
     assert "Fix: the Slurm client and munge on node1" in errors[0]
     errors = refusals({"partitions": {"gpu": ["node1", "node2"]}, "jobs": {"dsc-r7": ["12", "PENDING"]}})
     assert errors == []

@@ -58,7 +58,7 @@ class Plan:
     lock_texts: dict  # {wheels, sdists}: the lock's files as written on the nodes (roles/pytorch)
     master_port_first: int
     master_port_last: int
-    launch_mode: str  # pdsh or no_ssh (dsc_launch_mode)
+    launch_mode: str  # pdsh, no_ssh or slurm (dsc_launch_mode)
     slurm: dict  # roles/slurm's configuration (dsc_slurm_install; dscplan.slurm): install, partition, account, controller, conf, gres_conf, cgroup_conf
     firewall: bool  # roles/cluster_network manages the host firewall (cluster_network_firewall)
     ssh_sources: list[str]  # cluster_network_ssh_sources

@@ -56,8 +56,8 @@ def slurm_node_problems(master, partition, names, run_id, view, problems):
     if view is None:  # the master did not answer: its own refusal says so
         return
     if "error" in view:
-        problems.add(f"dsc_launch_mode {where} is 'slurm' but Slurm does not answer there: sinfo: "
-                     f"{view['error']}. Fix: the Slurm client and munge on {master}, reaching "
+        problems.add(f"dsc_launch_mode {where} is 'slurm' but Slurm does not answer there "
+                     f"(sinfo, squeue): {view['error']}. Fix: the Slurm client and munge on {master}, reaching "
                      f"slurmctld (`scontrol ping`), or dsc_slurm_install: true and provision.yml "
                      f"(the toolkit installs Slurm on the nodes).")
         return
