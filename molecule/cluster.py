@@ -263,8 +263,10 @@ def provisioned_image():
     sh("podman", "commit", "-q", PREFIX + builder.master, tag)
     log.write_text(r.output)
     down()
+    # test_slurm's nodes: the systemd layer on it, built here beside the local tier.
+    layer = systemd_image(tag)
     old = sh("podman", "images", "--format", "{{.Repository}}:{{.Tag}}", PROVISIONED_REPO).stdout.split()
-    for other in [t for t in old if ":provisioned-" in t and t != tag]:
+    for other in [t for t in old if ":provisioned-" in t and t not in (tag, layer)]:
         sh("podman", "rmi", "-f", other, check=False)
     return tag, r.output
 
@@ -314,6 +316,9 @@ dsc_torch_variant: cpu
 dsc_wheelhouse: {wheelhouse}
 # The vendored third-party scripts' packages (molecule/tests/test_own_scripts.py).
 dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.txt'}
+# A followed run's poll returns as soon as the run ends: a long interval costs no time, and spares
+# the CPU a status through pdsh every few seconds. Tests that read the progress lines ask for 2 s.
+follow_every_s: 30
 """ + extra)
 
 

@@ -93,7 +93,10 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
         assert again.returncode == 0, again.output[-4000:]
         # Nothing of the run on any node: no stop.yml needed after this.
         assert nothing_left(cluster, cluster.names, run_id)
-        # The master's neighbour cache still holds the old interface's address for a while.
+        # The master's neighbour cache still holds the old interface's address: forgotten now,
+        # the next packet asks again.
+        worker_ip = next(h["ip"] for h in cluster.info["hosts"] if h["name"] == worker)
+        cluster.exec(cluster.master, f"ip neigh flush to {worker_ip}", check=False)
         wait(lambda: cluster.exec(cluster.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {worker} true'",
                                   check=False).returncode == 0, 120, f"ssh from the master to {worker} again", every=2)
 
@@ -161,9 +164,9 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
         launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=every))
         cluster.wait_checkpoint(run_id, 2 * every)
         now = cluster.run_status(run_id)["last"]["step"]
-        # 40 saves ahead: about 16 s at this run's pace (0.1 s a step, a checkpoint, fsynced,
+        # 12 saves ahead: about 5 s at this run's pace (0.1 s a step, a checkpoint, fsynced,
         # every 4 steps), and the FIFO is in place one podman exec from now.
-        stuck = (now // every + 40) * every
+        stuck = (now // every + 12) * every
         cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
                                      f"mkfifo {RUNS}/{run_id}/checkpoints/step{stuck}/mp_rank_00_model_states.pt",
                      user="dstrain")
@@ -189,12 +192,13 @@ def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisione
 
 
 def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster, figures):
-    run_id, worker, steps, ended = "f-restart", cluster.names[1], 600, False
+    run_id, worker, steps, every, ended = "f-restart", cluster.names[1], 300, 50, False
     try:
-        # ~50 tiny steps/s here at most: the kill lands by step ~250 (the checkpoint's poll and
-        # two podman execs after step 100), well before the end.
-        launch(cluster, run_id, {"steps": steps, "save_every": 100}, "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
-        cluster.wait_checkpoint(run_id, 100)
+        # ~33 tiny steps/s at most (paced to 0.03 s): the kill lands by step ~150 (the checkpoint's
+        # poll and two podman execs after step 50), well before the end.
+        launch(cluster, run_id, {"steps": steps, "save_every": every, "min_step_s": 0.03},
+               "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
+        cluster.wait_checkpoint(run_id, every)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -9 {victim}")
         st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 400,
@@ -206,7 +210,7 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
         assert "[dsc_node] restart 1/2" in log and "resume: loaded" in log
         summary = json.loads(cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/summary.json").stdout)
-        assert summary["steps"] == steps and 100 <= summary["start_step"] < steps, summary
+        assert summary["steps"] == steps and every <= summary["start_step"] < steps, summary
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: finished (restarts: 1)" in shown.output
         figures("auto restart", restarts=st["restarts"], resumed_from=summary["start_step"], steps=summary["steps"])

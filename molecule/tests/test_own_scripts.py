@@ -211,11 +211,11 @@ def complete_checkpoints(cluster, node, run_id):
 
 def test_run_clm_stopped_mid_run_resumes_from_its_checkpoint(data, cluster):
     run_id, ended = "own-clm-resume", False
-    launch(cluster, run_id, *clm_args("zero2", 2000, save_steps=50), *NO_PREFLIGHT)
+    launch(cluster, run_id, *clm_args("zero2", 2000, save_steps=20), *NO_PREFLIGHT)
     try:
-        # the Trainer writes trainer_state.json last: checkpoint-50 complete on both nodes
-        wait(lambda: files_on_every_node(cluster, run_id, "out/checkpoint-50/trainer_state.json"), 900,
-             "run_clm's checkpoint-50 on every node")
+        # the Trainer writes trainer_state.json last: checkpoint-20 complete on both nodes
+        wait(lambda: files_on_every_node(cluster, run_id, "out/checkpoint-20/trainer_state.json"), 900,
+             "run_clm's checkpoint-20 on every node")
         stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         assert stop.returncode == 0 and "none left" in stop.output, stop.output[-3000:]
         assert cluster.run_status(run_id)["state"] == "stopped"
@@ -272,7 +272,7 @@ SECRET_SCRIPT = """import hashlib, os, pathlib, time
 # Each rank: proves it has the secret (its hash), then lives long enough to be looked at.
 pathlib.Path(os.environ["DSC_RUN_DIR"], f"token-{os.environ['RANK']}.sha256").write_text(
     hashlib.sha256(os.environ["HF_TOKEN"].encode()).hexdigest())
-time.sleep(float(os.environ.get("HOLD_S", "20")))
+time.sleep(float(os.environ.get("HOLD_S", "8")))
 """
 
 

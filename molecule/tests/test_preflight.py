@@ -2,6 +2,8 @@
 injected fault is caught by name, with the node and a fix. Every fault is undone in `finally`."""
 import json
 
+import pytest
+
 import cluster as testcluster
 from cluster import PINS
 
@@ -85,16 +87,40 @@ def test_master_port_blocked_by_a_firewall_rule(provisioned, cluster, tmp_path, 
         cluster.exec(cluster.master, f"iptables -D {rule}")
 
 
-def test_different_deepspeed_version_on_one_node(provisioned, cluster, tmp_path, figures):
-    worker = cluster.names[1]
-    pinned = PINS["DEEPSPEED_VERSION"]
+@pytest.fixture(scope="module")
+def three_faults(provisioned, cluster, tmp_path_factory):
+    """One preflight with three faults at once, each its own row from the same probe: more slots
+    than the nodes can hold, an interface name no node has, and another DeepSpeed version on the
+    worker. {"run": its result, "slots": the slots asked for, "cpus": the master's CPUs}."""
+    worker, pinned = cluster.names[1], PINS["DEEPSPEED_VERSION"]
+    cpus = int(cluster.exec(cluster.master, "nproc").stdout)
+    env = {"dsc_rank_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"}}
     cluster.exec(worker, f"sed -i \"s/^version='{pinned}'/version='0.0.1'/\" {DS_VERSION_FILE}")
     try:
-        r = preflight(cluster, tmp_path)
-        assert r.returncode != 0
-        _caught(r, "env and versions", worker, f"deepspeed 0.0.1 here, {pinned} on {cluster.master}", figures=figures, fault="different DeepSpeed version on one node")
+        r = preflight(cluster, tmp_path_factory.mktemp("three-faults"), "-e", f"dsc_slots={cpus + 1}",
+                      "-e", json.dumps(env))
     finally:
         cluster.exec(worker, f"sed -i \"s/^version='0.0.1'/version='{pinned}'/\" {DS_VERSION_FILE}")
+    return {"run": r, "slots": cpus + 1, "cpus": cpus}
+
+
+def test_different_deepspeed_version_on_one_node(three_faults, cluster, figures):
+    r, pinned = three_faults["run"], PINS["DEEPSPEED_VERSION"]
+    assert r.returncode != 0
+    _caught(r, "env and versions", cluster.names[1], f"deepspeed 0.0.1 here, {pinned} on {cluster.master}", figures=figures, fault="different DeepSpeed version on one node")
+
+
+def test_more_slots_than_the_node_can_hold(three_faults, cluster, figures):
+    r, slots, cpus = three_faults["run"], three_faults["slots"], three_faults["cpus"]
+    assert r.returncode != 0
+    _caught(r, "slots", cluster.master, f"dsc_slots={slots} CPU ranks but {cluster.master} has {cpus} CPUs", figures=figures, fault="more slots than the node can hold")
+
+
+def test_wrong_interface_name(three_faults, cluster, figures):
+    r = three_faults["run"]
+    assert r.returncode != 0
+    for node in cluster.names:
+        _caught(r, "interface", node, f"interface eth9 (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does not exist on {node}", figures=figures, fault="wrong interface name")
 
 
 def test_env_missing_on_one_node(provisioned, cluster, tmp_path, figures):
@@ -108,35 +134,26 @@ def test_env_missing_on_one_node(provisioned, cluster, tmp_path, figures):
         cluster.exec(worker, "mv /opt/dscluster/env.moved /opt/dscluster/env")
 
 
-def test_more_slots_than_the_node_can_hold(provisioned, cluster, tmp_path, figures):
-    cpus = int(cluster.exec(cluster.master, "nproc").stdout)
-    r = preflight(cluster, tmp_path, "-e", f"dsc_slots={cpus + 1}")
-    assert r.returncode != 0
-    _caught(r, "slots", cluster.master, f"dsc_slots={cpus + 1} CPU ranks but {cluster.master} has {cpus} CPUs", figures=figures, fault="more slots than the node can hold")
-
-
-def test_master_port_occupied_names_the_next_free_one(provisioned, cluster, tmp_path, figures):
+@pytest.fixture(scope="module")
+def port_occupied(provisioned, cluster, tmp_path_factory):
+    """The fast preflight while another program holds the master port on the master."""
     holder = ("import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
               "s.bind(('0.0.0.0', 29500)); s.listen(1); "
               "open('/tmp/holder.ready','w').close(); time.sleep(120)")
     cluster.exec(cluster.master, f"rm -f /tmp/holder.ready; (nohup python3 -c \"{holder}\" >/dev/null 2>&1 &); "
                                  "for i in $(seq 50); do test -f /tmp/holder.ready && break; sleep 0.1; done; test -f /tmp/holder.ready")
     try:
-        r = preflight(cluster, tmp_path)
-        assert r.returncode == 0, r.output[-4000:]  # a warning, not a failure: launch moves on
-        _caught(r, "master port", cluster.master, "29500 is in use on node1; launch will take 29501", "WARN", figures=figures, fault="master port occupied")
-        tcp = rows(r.report, "tcp to master port", "PASS")
-        assert len(tcp) == 2 and all(":29501 connects" in x["detail"] for x in tcp)
+        return preflight(cluster, tmp_path_factory.mktemp("port-occupied"))
     finally:
         cluster.exec(cluster.master, "pkill -f 'time.sleep\\(120\\)'", check=False)
 
 
-def test_wrong_interface_name(provisioned, cluster, tmp_path, figures):
-    env = {"dsc_rank_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"}}
-    r = preflight(cluster, tmp_path, "-e", json.dumps(env))
-    assert r.returncode != 0
-    for node in cluster.names:
-        _caught(r, "interface", node, f"interface eth9 (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does not exist on {node}", figures=figures, fault="wrong interface name")
+def test_master_port_occupied_names_the_next_free_one(port_occupied, cluster, figures):
+    r = port_occupied
+    assert r.returncode == 0, r.output[-4000:]  # a warning, not a failure: launch moves on
+    _caught(r, "master port", cluster.master, "29500 is in use on node1; launch will take 29501", "WARN", figures=figures, fault="master port occupied")
+    tcp = rows(r.report, "tcp to master port", "PASS")
+    assert len(tcp) == 2 and all(":29501 connects" in x["detail"] for x in tcp)
 
 
 def test_launch_runs_the_fast_checks_first_and_can_skip_them(provisioned, cluster, tmp_path):
@@ -151,8 +168,9 @@ def test_launch_runs_the_fast_checks_first_and_can_skip_them(provisioned, cluste
     assert "Write the run's files and code on every node" in skipped.output, skipped.output[-3000:]
 
 
-def test_report_is_valid_json_with_one_row_per_check_and_node(provisioned, cluster, tmp_path):
-    r = preflight(cluster, tmp_path)
+def test_report_is_valid_json_with_one_row_per_check_and_node(port_occupied):
+    """The JSON report of a fast preflight that passes (the occupied port's: a WARN, exit 0)."""
+    r = port_occupied
     assert r.returncode == 0, r.output[-3000:]
     rep = r.report
     assert rep["mode"] == "fast" and rep["measured"]["allreduce"] is None

@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
 PLOTS = ROOT / "runs" / "testcluster" / "plots"
 # Short enough for the suite, long enough for several of follow's polls (every 2 s here, users'
-# default 5) and log polls (follow_log_every_s, 2 s) while the ranks train.
-FOLLOWED_STEPS = 300
+# default 5) and log polls (follow_log_every_s, 2 s) while the ranks train: at least 8 s of steps,
+# each paced to 0.05 s (train.run's min_step_s).
+FOLLOWED_STEPS = 160
+FOLLOWED = dict(TINY, steps=FOLLOWED_STEPS, min_step_s=0.05, log_every=5, save_every=1000)
 # A stopped rank is a stall after this long without a step (a tiny step takes ~20 ms here).
 STALL_S = 8
 
@@ -43,7 +45,7 @@ def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, clu
     run_id = "w-follow"
     (PLOTS / f"{run_id}.png").unlink(missing_ok=True)
     r = launch(cluster, run_id, "-e", "follow=true", "-e", "follow_every_s=2", "-e", "dsc_tensorboard=true",
-               *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
+               *e(dsc_train_config=FOLLOWED))
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
     # progress lines, not retry messages: the step counts on from one poll to the next
@@ -75,11 +77,12 @@ def followed_twice(provisioned, cluster):
     """One run followed to its end by logs.yml and status.yml at once (both only read it):
     {"logs": output, "status": output}."""
     run_id = "w-stream"
-    launch(cluster, run_id, *e(dsc_train_config=dict(TINY, steps=FOLLOWED_STEPS, log_every=5, save_every=1000)))
+    launch(cluster, run_id, *e(dsc_train_config=FOLLOWED))
     with ThreadPoolExecutor(2) as pool:
         logs = pool.submit(cluster.playbook, "logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
                            "-e", "lines=3", "-e", "logs_dest=/tmp/dsc-w-stream")
-        status = pool.submit(cluster.playbook, "status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
+        status = pool.submit(cluster.playbook, "status.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
+                             "-e", "follow_every_s=2")
         return {"logs": logs.result(), "status": status.result()}
 
 
@@ -147,12 +150,13 @@ def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_i
 
 
 def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provisioned, cluster):
-    run_id, worker, ended = "w-stall-fail", cluster.names[1], False
+    run_id, worker, steps, every, ended = "w-stall-fail", cluster.names[1], 200, 50, False
+    # Paced (0.05 s a step): after the first checkpoint, 150 steps (7.5 s at least) remain for the stop.
     launch(cluster, run_id, "-e", f"dsc_stall_timeout_s={STALL_S}", "-e", "dsc_stall_fail=true",
            "-e", "max_restarts=1", "-e", "restart_backoff_s=2",
-           *e(dsc_train_config=dict(TINY, steps=800, log_every=10, save_every=200)))
+           *e(dsc_train_config=dict(TINY, steps=steps, min_step_s=0.05, log_every=10, save_every=every)))
     try:
-        cluster.wait_checkpoint(run_id, 200)
+        cluster.wait_checkpoint(run_id, every)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
         cluster.exec(worker, f"kill -STOP {victim}")
         st = wait(lambda: (s := cluster.run_status(run_id))["state"] in ("finished", "failed") and s, 600,
@@ -164,7 +168,7 @@ def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provis
         assert f"the run stalled: no step for {STALL_S} s after step" in restarts[0]["cause"], restarts
         log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
         assert f"[dsc_node] stalled: no step for {STALL_S} s" in log and "resume: loaded" in log
-        assert st["last"]["step"] == 800
+        assert st["last"]["step"] == steps
     finally:
         cluster.exec(worker, "pkill -CONT -f 'entry --module train.run' || true", check=False)
         if not ended:
