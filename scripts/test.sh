@@ -127,10 +127,7 @@ local_tier() {
   [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
     'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
   if wants unit; then await unit /dev/null; fi
-  # The files whose tests use one core (the warm-up's, ansible-lint) last: beside cluster 1's first.
-  local files=() last=(tests/local/test_warm.py tests/local/test_lint.py) f
-  for f in tests/local/test_*.py; do [[ " ${last[*]} " == *" $f "* ]] || files+=("$f"); done
-  phase "local tier" tier local "${files[@]}" "${last[@]}" -v -rs --durations=5
+  phase "local tier" tier local tests/local -v -rs --durations=5
 }
 if wants local; then start local .cache/local-tier.log local_tier; fi
 
@@ -145,37 +142,31 @@ if wants local || wants container; then
   await wheelhouse .cache/wheelhouse.log
 fi
 
-# The container tier: with pytest args (a -k, a file), one cluster runs what they select; with
-# none, the tier's files split between two clusters that run at once (DSC_TEST_CLUSTER 0 and 1:
-# their own containers, network, state and pytest tmp dirs), each file on one cluster. Cluster 1
-# starts as soon as the provisioned image is there, while the local tier's last tests (one core
-# each: the warm-up's and ansible-lint's) still run; cluster 0 once the local tier has ended.
+# container_tier [pytest args]: with no args, the tier's files split between two clusters that run
+# at once (DSC_TEST_CLUSTER 0 and 1: their own containers, network, state and pytest tmp dirs),
+# each file on one cluster; with args (a -k, a file), one cluster runs what they select.
 # SECOND_CLUSTER holds about half the tier's time (scripts/timings.py prints each file's seconds).
 SECOND_CLUSTER="test_faults test_run_control test_preflight test_privilege test_auto_step_down test_slurm"
-CONTAINER_ARGS=(-v -rs --durations=15 -p no:cacheprovider)
-container_files() {  # container_files 0|1: the tier's files cluster $1 runs
-  local f
+container_tier() {
+  local args=(-v -rs --durations=15 -p no:cacheprovider)
+  if [ $# -gt 0 ]; then
+    # Files or tests named (molecule/tests/...): those alone; else (a -k) the whole tier's files.
+    local where=(molecule/tests) a
+    for a in "$@"; do if [[ "$a" == molecule/tests/* ]]; then where=(); fi; done
+    tier container "${where[@]}" "${args[@]}" "$@"
+    return
+  fi
+  local first=() second=() f rc0=0 rc1=0
   for f in molecule/tests/test_*.py; do
-    if [[ " $SECOND_CLUSTER " == *" $(basename "$f" .py) "* ]]; then [ "$1" = 1 ] && echo "$f"
-    else [ "$1" = 0 ] && echo "$f"; fi
+    if [[ " $SECOND_CLUSTER " == *" $(basename "$f" .py) "* ]]; then second+=("$f"); else first+=("$f"); fi
   done
-}
-container_named() {  # the files or tests named (molecule/tests/...) alone; else (a -k) the tier's files
-  local where=(molecule/tests) a
-  for a in "$@"; do if [[ "$a" == molecule/tests/* ]]; then where=(); fi; done
-  tier container "${where[@]}" "${CONTAINER_ARGS[@]}" "$@"
-}
-container_second() {
-  local files
-  mapfile -t files < <(container_files 1)
-  DSC_TEST_CLUSTER=1 tier "container (cluster 1)" "${files[@]}" "${CONTAINER_ARGS[@]}" --basetemp=.cache/pytest-tmp1
-}
-container_first() {
-  local rc0=0 rc1=0 files
-  mapfile -t files < <(container_files 0)
-  DSC_TEST_CLUSTER=0 tier "container (cluster 0)" "${files[@]}" "${CONTAINER_ARGS[@]}" --basetemp=.cache/pytest-tmp0 || rc0=$?
+  DSC_TEST_CLUSTER=1 tier "container (cluster 1)" "${second[@]}" "${args[@]}" --basetemp=.cache/pytest-tmp1 \
+    >.cache/container-tier-1.log 2>&1 &
+  local second_job=$!
+  DSC_TEST_CLUSTER=0 tier "container (cluster 0)" "${first[@]}" "${args[@]}" --basetemp=.cache/pytest-tmp0 || rc0=$?
+  wait "$second_job" || rc1=$?
   echo "== container tier, cluster 1 (.cache/container-tier-1.log)"
-  await second .cache/container-tier-1.log || rc1=$?
+  cat .cache/container-tier-1.log
   [ "$rc0" -eq 0 ] && [ "$rc1" -eq 0 ]
 }
 
@@ -183,16 +174,14 @@ if wants container; then
   echo "== waiting for podman and the node images (.cache/node-tools.log)"
   await node-tools .cache/node-tools.log
   [ -d .cache/test-packages ] || await test-packages .cache/test-packages.log
-  echo "== waiting for the provisioned node image (.cache/image-build.log)"
-  await image .cache/image-build.log
-  rm -f .cache/test-figures.jsonl
-  if [ $# -eq 0 ]; then start second .cache/container-tier-1.log phase "container tier, cluster 1" container_second; fi
 fi
 if wants local; then
   echo "== waiting for the local tier (.cache/local-tier.log)"
   await local .cache/local-tier.log
 fi
 if wants container; then
-  if [ $# -gt 0 ]; then phase "container tier" container_named "$@"
-  else phase "container tier, cluster 0" container_first; fi
+  echo "== waiting for the provisioned node image (.cache/image-build.log)"
+  await image .cache/image-build.log
+  rm -f .cache/test-figures.jsonl
+  phase "container tier" container_tier "$@"
 fi
