@@ -124,12 +124,16 @@ def _run_state(cluster, run):
 
 def test_a_run_through_slurm_trains_on_both_nodes_to_the_end(slurm_nodes, cluster):
     run = "sl-1"
-    r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "follow=true", "-e", "preflight=false",
-                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=40)}),
+    r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "follow=true", "-e", "follow_every_s=2",
+                         "-e", "preflight=false",
+                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=40, min_step_s=0.1)}),
                          inventory=slurm_nodes["inventory"])
     assert r.returncode == 0, r.output[-6000:]
     assert f"Run {run} submitted as Slurm job" in r.output, r.output[-4000:]
-    assert f"Run {run} finished at step 40." in r.output, r.output[-4000:]  # followed to the end
+    # followed to the end, with its progress lines while it trains
+    assert any(x.startswith(f"run {run}: running, step ") and "/40, loss " in x for x in r.output.splitlines()), \
+        r.output[-4000:]
+    assert f"Run {run} finished at step 40." in r.output, r.output[-4000:]
     assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
     for n, h in enumerate(NODES):  # each node's own launcher, with the whole world
         log = cluster.exec(h["name"], f"cat {RUNS}/{run}/launcher.log").stdout
