@@ -85,7 +85,8 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
         assert f"run {run_id}: failed" in shown.output and f"{worker}: unreachable" in shown.output, shown.output[-3000:]
     finally:
         subprocess.run(["podman", "start", testcluster.PREFIX + worker], check=False, capture_output=True)
-        testcluster.wait_ssh([h for h in cluster.info["hosts"] if h["name"] == worker])
+        host = next(h for h in cluster.info["hosts"] if h["name"] == worker)
+        testcluster.wait_ssh([host])
         # The node is back as after a reboot: provision.yml restores what lived in memory (the
         # firewall's rules: its network part, documented for just that; nothing on disk was lost),
         # and nothing of the run survived on it.
@@ -95,8 +96,7 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
         assert nothing_left(cluster, cluster.names, run_id)
         # The master's neighbour cache still holds the old interface's address: forgotten now,
         # the next packet asks again.
-        worker_ip = next(h["ip"] for h in cluster.info["hosts"] if h["name"] == worker)
-        cluster.exec(cluster.master, f"ip neigh flush to {worker_ip}", check=False)
+        cluster.exec(cluster.master, f"ip neigh flush to {host['ip']}", check=False)
         wait(lambda: cluster.exec(cluster.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {worker} true'",
                                   check=False).returncode == 0, 120, f"ssh from the master to {worker} again", every=2)
 

@@ -2,10 +2,9 @@
 touches another, every node's status row reads its own record, and inventory mistakes fail
 loudly before anything changes."""
 import json
-import subprocess
 import threading
 
-from cluster import PREFIX, TINY, UNTIL_STOPPED, addr, wait
+from cluster import PREFIX, TINY, UNTIL_STOPPED, addr, sh, wait
 
 RUNS = "/opt/dscluster/runs"
 OTHER_ROOT = "/opt/dscluster/runs-b"
@@ -203,8 +202,8 @@ def test_inventory_mistakes_fail_loudly_and_change_nothing(provisioned, cluster,
 def test_an_iperf3_server_killed_mid_measurement_is_a_warn_row(provisioned, cluster, tmp_path):
     worker, pid_file = cluster.names[1], "/tmp/iperf3-killer.pid"
     # A loop on the worker kills its iperf3 every 0.3 s until the preflight is over.
-    subprocess.run(["podman", "exec", "-d", PREFIX + worker, "sh", "-c",
-                    f"echo $$ > {pid_file}; while :; do pkill -x iperf3; sleep 0.3; done"], check=True)
+    sh("podman", "exec", "-d", PREFIX + worker, "sh", "-c",
+       f"echo $$ > {pid_file}; while :; do pkill -x iperf3; sleep 0.3; done")
     try:
         wait(lambda: cluster.exec(worker, f"test -s {pid_file}", check=False).returncode == 0, 30, "the iperf3 killer")
         r = cluster.playbook("preflight.yml", "-e", f"preflight_report_dir={tmp_path}")
