@@ -5,7 +5,7 @@ Ansible runs every task on every node in a worker forked from the playbook's pro
 that templates a filter (`| to_json`, the project's `dsc_*` filters) or a test loads every filter
 or test plugin file first, unless the process it was forked from had loaded them already; and the
 playbook's process loads them only when it templates one itself. Loaded here, at the playbook's
-start, every worker inherits them: a launch's Ansible takes about a fifth less CPU on the control
+start, every worker inherits them: a dry-run launch takes about a fifth less CPU on the control
 node (docs/testing.md, "Where the time goes"). It prints nothing and changes no result. Always on
 with the project's ansible.cfg (callback_plugins), as it needs no enabling.
 """
