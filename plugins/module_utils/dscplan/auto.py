@@ -11,7 +11,7 @@ from train import memory
 
 from . import memory as shapes
 from .deepspeed_config import _run_sections, batch, compose_config, ds_config, precision
-from .problems import Problems, _is_int
+from .problems import Problems, is_int
 from .settings import as_bool
 
 # preset=auto: the candidates, fastest first at one micro-batch (measured on H200s: zero1 and
@@ -37,7 +37,7 @@ LOGITS = ("fp32", "bf16", "fp16")
 def _shape_value(key, value):
     """A dsc_model_shape value as the prediction takes it, or None when it is not one."""
     if key in MODEL_SHAPE_KEYS + ("intermediate", "params"):
-        return int(value) if _is_int(value) and int(value) > 0 else None
+        return int(value) if is_int(value) and int(value) > 0 else None
     if key in ("activation_checkpointing", "tied", "gated"):
         return value if isinstance(value, bool) else None
     if key in ("dropout", "attention_dropout"):  # a probability, or true/false
@@ -302,7 +302,7 @@ def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
     key = model_key(entry, model)
     ratio, records = _earlier_measured(plan, key)
     fixed = "dsc_micro_batch" in options
-    micro_batches = [int(opt["dsc_micro_batch"])] if fixed and _is_int(opt["dsc_micro_batch"]) else AUTO_MICRO_BATCHES
+    micro_batches = [int(opt["dsc_micro_batch"])] if fixed and is_int(opt["dsc_micro_batch"]) else AUTO_MICRO_BATCHES
     caps = [c for n in plan["nodes"] for c in n["compute_caps"]]
     dtype = precision(plan["accelerator"], caps)
     bits = "bf16" if dtype["bf16"]["enabled"] else "fp16" if dtype["fp16"]["enabled"] else "fp32"
@@ -351,7 +351,7 @@ def _memory_record(plan, opt, entry, s, config, model, resume):
     if resume or config is None or plan["accelerator"] != "cuda" or plan["world_size"] is None:
         return None
     micro = config.get("train_micro_batch_size_per_gpu")
-    if not _is_int(micro) or not _is_int(config.get("gradient_accumulation_steps", 1)):
+    if not is_int(micro) or not is_int(config.get("gradient_accumulation_steps", 1)):
         return None
     if model is None:
         try:

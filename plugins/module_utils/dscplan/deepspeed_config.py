@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dscnode.rundir import RunDir
 
-from .problems import _is_int
+from .problems import is_int
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 # What HF's Trainer fills in itself from its TrainingArguments ("auto" in its ds_config).
@@ -25,7 +25,7 @@ FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_sc
 def batch(micro, accum, total, world):
     """train_batch = micro x accum x world: derive what is missing (0 = not given), check the rest."""
     try:
-        if not all(_is_int(v) for v in (micro or 0, accum or 0, total or 0, world)):
+        if not all(is_int(v) for v in (micro or 0, accum or 0, total or 0, world)):
             raise ValueError("not a whole number")
         micro, accum, total, world = int(micro or 0), int(accum or 0), int(total or 0), int(world)
     except (TypeError, ValueError):

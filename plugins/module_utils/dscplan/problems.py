@@ -17,10 +17,10 @@ class Problems:
 
 def shown(value):
     """A value as a message shows it: numbers plain (-e gives them as strings), the rest quoted."""
-    return str(int(value)) if _is_int(value) else repr(value)
+    return str(int(value)) if is_int(value) else repr(value)
 
 
-def _is_int(value):
+def is_int(value):
     """A whole number, or its decimal digits alone (-e gives numbers as strings): nothing around
     them, no other digits than 0-9."""
     return (isinstance(value, int) and not isinstance(value, bool)) or (

@@ -12,7 +12,7 @@ from dscnode.rundir import SECRETS_DIR, RunDir
 
 from .auto import _auto_preset, _memory_record, _step_down
 from .deepspeed_config import _run_sections, batch, compose_config, precision, presets, read_user_config
-from .problems import _is_int
+from .problems import is_int
 from .rendered import _rendered, code_archive
 from .settings import DS_ENV_SAFE, RUN_OPTIONS, _abs_path, as_bool
 from .slurm import batch_files
@@ -306,9 +306,9 @@ def _start_args(plan, s, opt, entry, commands):
 def _check_restarts(opt, s, problems):
     """The supervisor's options: whole numbers, and no restarts where each node's launcher runs alone."""
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
-        if not _is_int(opt[var]) or int(opt[var]) < 0:
+        if not is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
-    if s["dsc_launch_mode"] == "no_ssh" and _is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
+    if s["dsc_launch_mode"] == "no_ssh" and is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
         problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
                      f"(each node's launcher runs on its own there, and a restart must restart every "
                      f"node's ranks together: the pdsh mode's supervisor does, and slurm mode's batch job), or dsc_launch_mode pdsh.")

@@ -11,7 +11,7 @@ import posixpath
 import re
 from pathlib import Path
 
-from .problems import _is_int, shown
+from .problems import is_int, shown
 
 CLUSTER_GROUP = "cluster"
 # CUDA variants and the package index each maps to (pytorch.org wheel indexes); "pypi" is the
@@ -393,9 +393,9 @@ def _check_launch_settings(s, where, problems):
     """What every launch uses: the master port range, the SSH sources, the process group's
     timeout and the ranks' environment."""
     first_port, last_port = s["dsc_master_port"], s["dsc_master_port_last"]
-    if not _is_int(first_port) or not 1024 <= int(first_port) < 65536:
+    if not is_int(first_port) or not 1024 <= int(first_port) < 65536:
         problems.add(f"dsc_master_port {where} is {shown(first_port)}. Fix: a TCP port 1024-65535.")
-    elif not _is_int(last_port) or not int(first_port) <= int(last_port) < 65536:
+    elif not is_int(last_port) or not int(first_port) <= int(last_port) < 65536:
         problems.add(f"dsc_master_port_last {where} is {shown(last_port)}. Fix: a port from "
                      f"dsc_master_port ({first_port}) to 65535; the range is tried in order.")
     sources = s["cluster_network_ssh_sources"]
@@ -403,7 +403,7 @@ def _check_launch_settings(s, where, problems):
         problems.add(f"cluster_network_ssh_sources {where} is {shown(sources)}. Fix: a list of "
                      f"addresses or networks (IPv4 or IPv6), e.g. [192.0.2.10, 2001:db8::/64], or "
                      f"[any] to allow SSH from everywhere.")
-    if not _is_int(s["dsc_pg_timeout_min"]) or int(s["dsc_pg_timeout_min"]) <= 0:
+    if not is_int(s["dsc_pg_timeout_min"]) or int(s["dsc_pg_timeout_min"]) <= 0:
         problems.add(f"dsc_pg_timeout_min {where} is {s['dsc_pg_timeout_min']!r}. Fix: minutes, "
                      f"a positive whole number.")
     env = s["dsc_rank_env"]

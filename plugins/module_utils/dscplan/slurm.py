@@ -10,7 +10,7 @@ import shlex
 
 from dscnode.rundir import RunDir
 
-from .problems import _is_int
+from .problems import is_int
 from .settings import as_bool
 
 # A partition's name: no hostlist brackets, commas, spaces or '=', nothing a shell or slurm.conf's
@@ -33,7 +33,7 @@ def slurm_problems(s, nodes, where, problems):
             problems.add(f"{var} {where} is {value!r}. Fix: letters, digits, '.', '_' and '-' only, "
                          f"starting with a letter or digit (e.g. {example}).")
     timeout = s["dsc_slurm_slurmd_timeout_s"]
-    if not _is_int(timeout) or int(timeout) <= 0:
+    if not is_int(timeout) or int(timeout) <= 0:
         problems.add(f"dsc_slurm_slurmd_timeout_s {where} is {timeout!r}. Fix: seconds, a whole number "
                      f"above 0 (Slurm's default is 300).")
     if s["dsc_launch_mode"] != "slurm":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from .problems import _is_int, shown
+from .problems import is_int, shown
 from .settings import CLUSTER_GROUP, as_bool, setting
 
 MASTER_GROUP = "master"
@@ -88,7 +88,7 @@ def _nodes(names, hostvars, defaults, probes, problems, probe_errors):
                 problems.add(f"dsc_slots on host {name} is 'auto' but nvidia-smi found no GPU "
                              f"there. Fix: set dsc_slots to the rank count for a CPU-only node.")
             slots = len(gpus)
-        elif not _is_int(slots) or int(slots) <= 0:
+        elif not is_int(slots) or int(slots) <= 0:
             problems.add(f"dsc_slots on host {name} is {shown(slots)}. Fix: a positive number of GPUs "
                          f"(or of ranks on a CPU-only node), or 'auto' to detect GPUs with "
                          f"nvidia-smi.")
@@ -96,7 +96,7 @@ def _nodes(names, hostvars, defaults, probes, problems, probe_errors):
         gpu_ids, slots = _gpu_selection(name, hv.get("dsc_gpus") or [], gpus, wanted_slots, slots,
                                         reachable, problems)
         port = hv.get("dsc_ssh_port", hv.get("ansible_port", 22))
-        if not _is_int(port) or not 0 < int(port) < 65536:
+        if not is_int(port) or not 0 < int(port) < 65536:
             problems.add(f"dsc_ssh_port on host {name} is {shown(port)}. Fix: a TCP port 1-65535.")
             port = 22
         nodes.append({
@@ -174,13 +174,13 @@ def _gpu_selection(name, wanted, gpus, wanted_slots, slots, reachable, problems)
     there; the slots are then their count."""
     if not wanted:
         return [], slots
-    if not isinstance(wanted, list) or not all(_is_int(i) for i in wanted) \
+    if not isinstance(wanted, list) or not all(is_int(i) for i in wanted) \
             or len(set(map(int, wanted))) != len(wanted):
         problems.add(f"dsc_gpus on host {name} is {wanted!r}. Fix: a list of distinct GPU "
                      f"indices as nvidia-smi numbers them, e.g. [0, 1].")
         return [], slots
     ids = [int(i) for i in wanted]
-    present = {int(g["index"]) for g in gpus if _is_int(g.get("index"))}
+    present = {int(g["index"]) for g in gpus if is_int(g.get("index"))}
     missing = [i for i in ids if i not in present]
     if reachable and missing:
         problems.add(f"dsc_gpus on host {name} names GPU {', '.join(map(str, missing))}, which "
