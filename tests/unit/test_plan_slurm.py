@@ -167,8 +167,11 @@ def test_a_sites_own_slurm_takes_its_partition_and_account_and_must_know_every_n
 
 
 @pytest.mark.parametrize("var, value", [("dsc_slurm_account", "a b"), ("dsc_slurm_account", "-x"),
-                                        ("dsc_slurm_account", "acct,other"), ("dsc_slurm_slurmd_timeout_s", 0),
-                                        ("dsc_slurm_slurmd_timeout_s", "5m")])
+                                        ("dsc_slurm_account", "acct,other"), ("dsc_slurm_account", "acct\n"),
+                                        ("dsc_slurm_account", "../etc"), ("dsc_slurm_account", "$(id)"),
+                                        ("dsc_slurm_slurmd_timeout_s", 0), ("dsc_slurm_slurmd_timeout_s", "5m"),
+                                        ("dsc_slurm_slurmd_timeout_s", "30\n"), ("dsc_slurm_slurmd_timeout_s", "30;reboot"),
+                                        ("dsc_slurm_slurmd_timeout_s", True)])
 def test_an_account_or_timeout_slurm_would_misread_is_refused(var, value):
     p, errors = plan(2, **{var: value})
     assert p is None and any(e.startswith(f"{var} on host node1 is {value!r}. Fix: ") for e in errors), errors
