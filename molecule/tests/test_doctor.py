@@ -4,14 +4,12 @@ one node made lossy (10 % of what it sends dropped, iptables' statistic match) a
 between two others made slow (tc's htb on both ends; this machine's kernel has no netem, so no
 delay), and doctor.yml names that node and that link, nothing else."""
 import json
-from pathlib import Path
 
 import pytest
 
 import cluster as tc
 
 NODES = [{"name": f"doc{i}", "ip": tc.addr(40 + i), "ip6": tc.addr6(40 + i), "port": 22} for i in (1, 2, 3, 4)]
-REPORTS = Path.home() / ".dscluster" / "reports"
 
 
 def shape(cluster, node, rate, to):
@@ -39,9 +37,12 @@ def test_doctor_names_the_slow_node_and_the_slow_link(doctor_nodes, cluster, fig
     cluster.exec("doc4", "iptables -I OUTPUT 1 -o eth0 -m statistic --mode random --probability 0.1 -j DROP")
     shape(cluster, "doc1", "40mbit", to=ip["doc2"])  # the doc1 - doc2 link, both ways
     shape(cluster, "doc2", "40mbit", to=ip["doc1"])
-    r = cluster.playbook("doctor.yml", inventory=doctor_nodes)
+    # A control node that has never written a report: doctor makes the directory.
+    reports = doctor_nodes.parent / "reports"
+    assert not reports.exists()
+    r = cluster.playbook("doctor.yml", "-e", f"preflight_report_dir={reports}", inventory=doctor_nodes)
     assert r.returncode == 0, r.output[-6000:]
-    report = json.loads((REPORTS / "doctor-testcluster-latest.json").read_text())
+    report = json.loads((reports / "doctor-testcluster-latest.json").read_text())
     assert report["rounds"] == [[["doc1", "doc4"], ["doc2", "doc3"]], [["doc1", "doc3"], ["doc2", "doc4"]],
                                 [["doc1", "doc2"], ["doc3", "doc4"]]]
     found = [(f["kind"], f["subject"]) for f in report["findings"]]

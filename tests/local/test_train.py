@@ -23,7 +23,11 @@ NODE_PATH = {"PYTHONPATH": str(ROOT / "node")}
 def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True):
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "ds_config.json").write_text(json.dumps(ds))
+    # The venv's bin first on PATH, as a node's ranks have their env's (the plan's node_env): its
+    # ninja builds the ops, the one test_warm reads them with (ninja 1.13 drops the log an older
+    # system ninja wrote, "build log version is too old; starting over", and builds again).
     env = dict(os.environ, **NODE_PATH, DSC_RUN_DIR=str(run_dir), DS_ACCELERATOR="cpu", LOCAL_SIZE=str(ranks),
+               PATH=f"{VENV / 'bin'}:{os.environ['PATH']}",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"), OMP_NUM_THREADS="1")
     cmd = [str(VENV / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
            str(29700 + os.getpid() % 200), "--module", "train.run",
