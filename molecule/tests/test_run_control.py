@@ -125,7 +125,7 @@ def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisione
         assert stopped_at < 1500
         # On to a nearer end than the launch's 1500 (as resume.yml -e allows): past the stop.
         end = stopped_at + 20
-        resume = cluster.playbook("resume.yml", "-e", f"run_id={run}", "-e", "follow=true", *no_ssh,
+        resume = cluster.playbook("resume.yml", "-e", f"run_id={run}", "-e", "follow=true", "-e", "preflight=false", *no_ssh,
                                   "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={end}"]}))
         assert resume.returncode == 0, resume.output[-3000:]
         assert last_step(cluster, RUNS, run) == end
@@ -254,7 +254,7 @@ def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
     for ids in (["race-a", "race-b"], ["race-same", "race-same"]):
         for n in cluster.names:
             cluster.exec(n, f"rm -rf {' '.join(f'{RUNS}/{i}' for i in set(ids))}")
-        results = [None, None]
+        results, winner = [None, None], None
 
         def go(k):
             results[k] = cluster.playbook("launch.yml", "-e", f"run_id={ids[k]}", *train)  # noqa: B023 - joined in this iteration
@@ -275,6 +275,6 @@ def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
             assert supervisors == "1", f"{supervisors} supervisors for {ids}"
             for n in cluster.names:
                 wait(lambda: len(cluster.rank_pids(n, winner)) == 1, 120, f"one rank of {winner} on {n}")  # noqa: B023 - called in this iteration
-        finally:
-            for run_id in set(ids):
+        finally:  # the run that started, or (a check above failed first) both
+            for run_id in [winner] if winner else set(ids):
                 cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
