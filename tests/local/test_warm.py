@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
 
 
 def warm(ext_dir, *args, ops="ShareMemCommBuilder"):
-    env = dict(os.environ, PATH=f"{VENV / 'bin'}:{os.environ['PATH']}", TORCH_EXTENSIONS_DIR=str(ext_dir),
-               DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT / "node"))
+    # PATH: the venv's bin first already (venv_ninja, autouse), as a node's env runs the warm-up
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT / "node"))
     r = subprocess.run([str(VENV / "bin" / "python"), "-m", "dscnode", "warm", f"--ops={ops}",
                         f"--report={ext_dir}/ds_report.txt", "--gpus=0", *args],
                        env=env, capture_output=True, text=True, timeout=900)
