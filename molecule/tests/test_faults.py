@@ -139,13 +139,21 @@ def _hold_port(cluster, port):
                                  f"test -f /tmp/hold{port}")
 
 
-def test_busy_master_port_takes_the_next_and_an_exhausted_range_says_so(provisioned, cluster, figures):
+def test_busy_master_port_takes_the_next_retention_keeps_n_and_an_exhausted_range_says_so(provisioned, cluster,
+                                                                                            figures):
+    """A run whose master port is taken trains on the next one; its retention keeps the newest
+    keep_checkpoints complete checkpoints on every node; a range with no free port is refused."""
     _hold_port(cluster, 29500)
     try:
-        r = launch(cluster, "f-port", {"steps": 3, "save_every": 1000}, follow=True, preflight=True)
+        # saves at steps 5, 10, 15 and the final 20: the two oldest pruned
+        r = launch(cluster, "f-port", {"steps": 20, "save_every": 5, "keep_checkpoints": 2}, follow=True,
+                   preflight=True)
         assert cluster.exec(cluster.master, f"cat {RUNS}/f-port/master_port").stdout.strip() == "29501"
         assert "--master_port=29501" in cluster.exec(cluster.master, f"cat {RUNS}/f-port/launcher.log").stdout
         assert "launch will take 29501" in r.output  # the preflight warning
+        for n in cluster.names:
+            ls = cluster.exec(n, f"ls {RUNS}/f-port/checkpoints").stdout.split()
+            assert sorted(d for d in ls if d.startswith("step")) == ["step15", "step20"], (n, ls)
         narrow = ["-e", "dsc_master_port_last=29500", "-e", "run_id=f-full", "-e", "dry_run=true"]
         checked = cluster.playbook("launch.yml", *narrow)
         assert checked.returncode != 0 and "every port 29500-29500 is in use on node1" in checked.output
@@ -222,9 +230,9 @@ def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster
 SMALL = "/mnt/small/runs"  # a 16 MiB tmpfs on every node (molecule/cluster.py)
 
 
-def test_a_full_run_root_fails_the_run_with_its_reason_and_retention_keeps_n(provisioned, cluster, figures):
-    """Retention keeps the newest keep_checkpoints complete checkpoints on every node; a run root
-    that fills up fails the run before a save, with the reason, an exit code and its restarts."""
+def test_a_full_run_root_fails_the_run_with_its_reason(provisioned, cluster, figures):
+    """A run root that fills up fails the run before a save, with the reason, an exit code and its
+    restarts; filled to the last byte mid-run, the run fails with an exit code all the same."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {SMALL} && install -d -o dstrain -g dstrain {SMALL}")
 
@@ -236,12 +244,6 @@ def test_a_full_run_root_fails_the_run_with_its_reason_and_retention_keeps_n(pro
                                 "-e", json.dumps({"dsc_train_config": dict(TINY, **train)}))
     ended = False
     try:
-        # saves at steps 5, 10, 15 and the final 20: the two oldest pruned
-        kept = run("small-keep", steps=20, save_every=5, keep_checkpoints=2)
-        assert kept.returncode == 0, kept.output[-4000:]
-        for n in cluster.names:
-            ls = cluster.exec(n, f"ls {SMALL}/small-keep/checkpoints").stdout.split()
-            assert sorted(d for d in ls if d.startswith("step")) == ["step15", "step20"], (n, ls)
         full = run("small-full", steps=100000, save_every=2, keep_checkpoints=1000)
         assert full.returncode != 0
         st = cluster.run_status("small-full", root=SMALL)

@@ -75,50 +75,48 @@ def test_sshd_stopped_on_a_worker(provisioned, cluster, tmp_path, figures):
         testcluster.start_sshd(worker)
 
 
-def test_master_port_blocked_by_a_firewall_rule(provisioned, cluster, tmp_path, figures):
-    worker_ip = cluster.info["hosts"][1]["ip"]
-    rule = f"INPUT -p tcp -s {worker_ip} --dport 29500 -j DROP"
-    cluster.exec(cluster.master, f"iptables -I {rule}")
-    try:
-        r = preflight(cluster, tmp_path)
-        assert r.returncode != 0
-        _caught(r, "tcp to master port", cluster.names[1], "timed out", figures=figures, fault="master port blocked by a firewall rule")
-        assert rows(r.report, "tcp to master port", "PASS")[0]["node"] == cluster.master
-    finally:
-        cluster.exec(cluster.master, f"iptables -D {rule}")
-
-
 @pytest.fixture(scope="module")
-def three_faults(provisioned, cluster, tmp_path_factory):
-    """One preflight with three faults at once, each its own row from the same probe: more slots
-    than the nodes can hold, an interface name no node has, and another DeepSpeed version on the
-    worker. {"run": its result, "slots": the slots asked for, "cpus": the master's CPUs}."""
+def four_faults(provisioned, cluster, tmp_path_factory):
+    """One preflight with four faults at once, each its own row from the same probe: more slots
+    than the nodes can hold, an interface name no node has, another DeepSpeed version on the
+    worker, and the master port on the master closed to the worker by a firewall rule.
+    {"run": its result, "slots": the slots asked for, "cpus": the master's CPUs}."""
     worker, pinned = cluster.names[1], PINS["DEEPSPEED_VERSION"]
     cpus = int(cluster.exec(cluster.master, "nproc").stdout)
     env = {"dsc_rank_env": {"NCCL_SOCKET_IFNAME": "eth9", "GLOO_SOCKET_IFNAME": "eth9"}}
+    rule = f"INPUT -p tcp -s {cluster.info['hosts'][1]['ip']} --dport 29500 -j DROP"
     cluster.exec(worker, f"sed -i \"s/^version='{pinned}'/version='0.0.1'/\" {DS_VERSION_FILE}")
+    cluster.exec(cluster.master, f"iptables -I {rule}")
     try:
-        r = preflight(cluster, tmp_path_factory.mktemp("three-faults"), "-e", f"dsc_slots={cpus + 1}",
+        r = preflight(cluster, tmp_path_factory.mktemp("four-faults"), "-e", f"dsc_slots={cpus + 1}",
                       "-e", json.dumps(env))
     finally:
+        cluster.exec(cluster.master, f"iptables -D {rule}")
         cluster.exec(worker, f"sed -i \"s/^version='0.0.1'/version='{pinned}'/\" {DS_VERSION_FILE}")
     return {"run": r, "slots": cpus + 1, "cpus": cpus}
 
 
-def test_different_deepspeed_version_on_one_node(three_faults, cluster, figures):
-    r, pinned = three_faults["run"], PINS["DEEPSPEED_VERSION"]
+def test_master_port_blocked_by_a_firewall_rule(four_faults, cluster, figures):
+    r = four_faults["run"]
+    assert r.returncode != 0
+    _caught(r, "tcp to master port", cluster.names[1], "timed out", figures=figures, fault="master port blocked by a firewall rule")
+    assert rows(r.report, "tcp to master port", "PASS")[0]["node"] == cluster.master
+
+
+def test_different_deepspeed_version_on_one_node(four_faults, cluster, figures):
+    r, pinned = four_faults["run"], PINS["DEEPSPEED_VERSION"]
     assert r.returncode != 0
     _caught(r, "env and versions", cluster.names[1], f"deepspeed 0.0.1 here, {pinned} on {cluster.master}", figures=figures, fault="different DeepSpeed version on one node")
 
 
-def test_more_slots_than_the_node_can_hold(three_faults, cluster, figures):
-    r, slots, cpus = three_faults["run"], three_faults["slots"], three_faults["cpus"]
+def test_more_slots_than_the_node_can_hold(four_faults, cluster, figures):
+    r, slots, cpus = four_faults["run"], four_faults["slots"], four_faults["cpus"]
     assert r.returncode != 0
     _caught(r, "slots", cluster.master, f"dsc_slots={slots} CPU ranks but {cluster.master} has {cpus} CPUs", figures=figures, fault="more slots than the node can hold")
 
 
-def test_wrong_interface_name(three_faults, cluster, figures):
-    r = three_faults["run"]
+def test_wrong_interface_name(four_faults, cluster, figures):
+    r = four_faults["run"]
     assert r.returncode != 0
     for node in cluster.names:
         _caught(r, "interface", node, f"interface eth9 (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) does not exist on {node}", figures=figures, fault="wrong interface name")

@@ -26,16 +26,19 @@ def last_step(cluster, root, run_id):
 def test_stopping_one_run_leaves_another_training(provisioned, cluster):
     """Two runs alive at once (two run roots, so each has its own lock and active run; ports
     29500 and 29501): stopping the first must not end the second (DeepSpeed's runner, sent
-    SIGTERM, would pkill every launcher matching its command line on every node)."""
+    SIGTERM, would pkill every launcher matching its command line on every node). The first is
+    followed (launch.yml -e follow=true): stop.yml ends its follow with rc 0 and "stopped by
+    stop.yml at step N" (N the last step logged), and status.yml -e follow=true of it says the same."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/rc-a {OTHER_ROOT} && install -d -o dstrain -g dstrain {OTHER_ROOT}")
     # No preflight: the runs are what this test reads.
     train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000)}),
              "-e", "preflight=false"]
-    a_stopped = False
+    followed, a_stopped = {}, False
+    launch = threading.Thread(target=lambda: followed.update(r=cluster.playbook(
+        "launch.yml", "-e", "run_id=rc-a", "-e", "follow=true", *train)))
+    launch.start()
     try:
-        a = cluster.playbook("launch.yml", "-e", "run_id=rc-a", *train)
-        assert a.returncode == 0, a.output[-3000:]
         # rc-a's rendezvous holds its port once it trains; only then is the next port taken
         # (the free-port check is per run root's lock: two roots starting at once can race).
         wait(lambda: last_step(cluster, RUNS, "rc-a") > 2, 240, "rc-a training")
@@ -51,44 +54,22 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
             assert procs(cluster, n, "rc-a") == [], n
             assert any("train.run" in p["cmd"] for p in procs(cluster, n, "rc-b")), f"rc-b lost its rank on {n}"
         a_stopped = True  # no process of rc-a on any node: the stop below is rc-b's alone
+        launch.join(300)
+        said = f"Run rc-a stopped by stop.yml at step {last_step(cluster, RUNS, 'rc-a')}."
+        assert followed["r"].returncode == 0 and said in followed["r"].output, followed["r"].output[-3000:]
         before = last_step(cluster, OTHER_ROOT, "rc-b")
         wait(lambda: last_step(cluster, OTHER_ROOT, "rc-b") > before + 5, 120, "rc-b training on after rc-a's stop")
         status = cluster.playbook("status.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
         for n in cluster.names:
             assert f"{n}: running, ranks alive 1" in status.output, status.output[-3000:]
-        stopped = cluster.playbook("status.yml", "-e", "run_id=rc-a")
+        stopped = cluster.playbook("status.yml", "-e", "run_id=rc-a", "-e", "follow=true")
+        assert stopped.returncode == 0 and said in stopped.output, stopped.output[-3000:]
         for n in cluster.names:
             assert f"{n}: stopped, ranks alive 0" in stopped.output, stopped.output[-3000:]
     finally:
         if not a_stopped:
             cluster.playbook("stop.yml", "-e", "run_id=rc-a")
         cluster.playbook("stop.yml", "-e", "run_id=rc-b", "-e", f"dsc_run_root={OTHER_ROOT}")
-
-
-def test_a_followed_run_stopped_on_purpose_ends_follow_with_rc_0_naming_the_stop(provisioned, cluster):
-    """stop.yml during a followed launch: the launch's follow ends with rc 0 and "stopped by
-    stop.yml at step N" (N the last step logged); status.yml -e follow=true of the stopped run
-    says the same."""
-    run_id, followed, stopped = "rc-follow-stop", {}, False
-    for n in cluster.names:
-        cluster.exec(n, f"rm -rf {RUNS}/{run_id}")
-    train = json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, log_every=5, save_every=100000)})
-    launch = threading.Thread(target=lambda: followed.update(r=cluster.playbook(
-        "launch.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "preflight=false", "-e", train)))
-    launch.start()
-    try:
-        wait(lambda: last_step(cluster, RUNS, run_id) > 5, 240, f"{run_id} training")
-        stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
-        assert stop.returncode == 0, stop.output[-3000:]
-        stopped = True  # stop.yml found no process of the run left on any node
-        launch.join(300)
-        said = f"Run {run_id} stopped by stop.yml at step {last_step(cluster, RUNS, run_id)}."
-        assert followed["r"].returncode == 0 and said in followed["r"].output, followed["r"].output[-3000:]
-        status = cluster.playbook("status.yml", "-e", f"run_id={run_id}", "-e", "follow=true")
-        assert status.returncode == 0 and said in status.output, status.output[-3000:]
-    finally:
-        if not stopped:
-            cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         launch.join(60)
 
 

@@ -122,26 +122,6 @@ def _run_state(cluster, run):
             for h in NODES}
 
 
-def test_a_run_through_slurm_trains_on_both_nodes_to_the_end(slurm_nodes, cluster):
-    run = "sl-1"
-    r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "follow=true", "-e", "follow_every_s=2",
-                         "-e", "preflight=false",
-                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=40, min_step_s=0.1)}),
-                         inventory=slurm_nodes["inventory"])
-    assert r.returncode == 0, r.output[-6000:]
-    assert f"Run {run} submitted as Slurm job" in r.output, r.output[-4000:]
-    # followed to the end, with its progress lines while it trains
-    assert any(x.startswith(f"run {run}: running, step ") and "/40, loss " in x for x in r.output.splitlines()), \
-        r.output[-4000:]
-    assert f"Run {run} finished at step 40." in r.output, r.output[-4000:]
-    assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
-    for n, h in enumerate(NODES):  # each node's own launcher, with the whole world
-        log = cluster.exec(h["name"], f"cat {RUNS}/{run}/launcher.log").stdout
-        assert f"--node_rank={n}" in log and "dist_world_size=2" in log, log[-2000:]
-    job = cluster.exec("slu1", f"ls {RUNS}/{run}/ | grep '^slurm-.*out$'").stdout.split()
-    assert len(job) == 1, job
-
-
 def _last_step(cluster, run):
     r = cluster.exec("slu1", f"tail -1 {RUNS}/{run}/metrics.jsonl 2>/dev/null", check=False)
     return json.loads(r.stdout)["step"] if r.stdout.strip() else 0
@@ -149,8 +129,10 @@ def _last_step(cluster, run):
 
 def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, cluster, figures):
     """A long run; a second launch queues behind it (launch.yml returns saying so, runs.yml numbers
-    it, a resume of it is refused: it would be submitted twice); stop cancels the first job (CANCELLED, nothing left on either node) and the queued run
-    starts and is followed to its end; the first resumes from its checkpoint to a nearer end."""
+    it, a resume of it is refused: it would be submitted twice); stop cancels the first job
+    (CANCELLED, nothing left on either node) and the queued run starts and is followed to its end
+    on both nodes, with its progress lines (the run through Slurm to completion); the first
+    resumes from its checkpoint to a nearer end."""
     inv = slurm_nodes["inventory"]
     first, second = "sl-2", "sl-3"
 
@@ -162,7 +144,8 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
 
     launch(first, **tc.UNTIL_STOPPED, save_every=20)
     tc.wait(lambda: _last_step(cluster, first) > 45, 180, f"{first} past its second checkpoint")
-    queued = launch(second, steps=30)
+    # paced (6 s of steps at least): the follow below, every 2 s, shows progress lines of it
+    queued = launch(second, steps=40, min_step_s=0.15)
     job2 = re.search(rf"Run {second} submitted as Slurm job (\d+) \(world size 2, partition dsc\): PENDING", queued.output)
     assert job2, queued.output[-3000:]
     runs = cluster.playbook("runs.yml", inventory=inv)
@@ -182,8 +165,18 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
         assert f"{h['name']}: stopped" in stop.output
         left = cluster.exec(h["name"], f"/usr/local/lib/dscluster/dsc_node.pyz procs {first}", user="dstrain")
         assert json.loads(left.stdout) == [], left.stdout
-    followed = cluster.playbook("status.yml", "-e", f"run_id={second}", "-e", "follow=true", inventory=inv)
-    assert followed.returncode == 0 and f"Run {second} finished at step 30." in followed.output, followed.output[-4000:]
+    followed = cluster.playbook("status.yml", "-e", f"run_id={second}", "-e", "follow=true", "-e", "follow_every_s=2",
+                                inventory=inv)
+    assert followed.returncode == 0 and f"Run {second} finished at step 40." in followed.output, followed.output[-4000:]
+    # followed to the end, with its progress lines while it trained, on both nodes
+    assert any(x.startswith(f"run {second}: running, step ") and "/40, loss " in x
+               for x in followed.output.splitlines()), followed.output[-4000:]
+    assert _run_state(cluster, second) == {"slu1": "0", "slu2": "0"}
+    for n, h in enumerate(NODES):  # each node's own launcher, with the whole world
+        log = cluster.exec(h["name"], f"cat {RUNS}/{second}/launcher.log").stdout
+        assert f"--node_rank={n}" in log and "dist_world_size=2" in log, log[-2000:]
+    job = cluster.exec("slu1", f"ls {RUNS}/{second}/ | grep '^slurm-.*out$'").stdout.split()
+    assert len(job) == 1, job
     end = _last_step(cluster, first) + 10
     resumed = cluster.playbook("resume.yml", "-e", f"run_id={first}", "-e", "follow=true",
                                "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={end}"]}), inventory=inv)
