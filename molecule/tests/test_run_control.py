@@ -34,9 +34,12 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
     # No preflight: the runs are what this test reads.
     train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000)}),
              "-e", "preflight=false"]
+    # rc-a logs every 5th step: the follow's end names the last step logged, not the last trained
+    train_a = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, log_every=5, save_every=100000)}),
+               "-e", "preflight=false"]
     followed, a_stopped = {}, False
     launch = threading.Thread(target=lambda: followed.update(r=cluster.playbook(
-        "launch.yml", "-e", "run_id=rc-a", "-e", "follow=true", *train)))
+        "launch.yml", "-e", "run_id=rc-a", "-e", "follow=true", *train_a)))
     launch.start()
     try:
         # rc-a's rendezvous holds its port once it trains; only then is the next port taken
