@@ -16,11 +16,17 @@ def procs(cluster, node, run_id):
     return json.loads(r.stdout)
 
 
+def until_stopped(**train):
+    """launch.yml's -e for a tiny paced run that the test ends itself (UNTIL_STOPPED, no checkpoint
+    of its own), with train.run's settings `train` on top; no preflight: the runs are what these
+    tests read."""
+    return ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000, **train)}),
+            "-e", "preflight=false"]
+
+
 def last_step(cluster, root, run_id):
     r = cluster.exec(cluster.master, f"tail -1 {root}/{run_id}/metrics.jsonl 2>/dev/null", check=False)
     return json.loads(r.stdout)["step"] if r.stdout.strip() else 0
-
-
 
 
 def test_stopping_one_run_leaves_another_training(provisioned, cluster):
@@ -31,12 +37,9 @@ def test_stopping_one_run_leaves_another_training(provisioned, cluster):
     stop.yml at step N" (N the last step logged), and status.yml -e follow=true of it says the same."""
     for n in cluster.names:
         cluster.exec(n, f"rm -rf {RUNS}/rc-a {OTHER_ROOT} && install -d -o dstrain -g dstrain {OTHER_ROOT}")
-    # No preflight: the runs are what this test reads.
-    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000)}),
-             "-e", "preflight=false"]
+    train = until_stopped()
     # rc-a logs every 5th step: the follow's end names the last step logged, not the last trained
-    train_a = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, log_every=5, save_every=100000)}),
-               "-e", "preflight=false"]
+    train_a = until_stopped(log_every=5)
     followed, a_stopped = {}, False
     launch = threading.Thread(target=lambda: followed.update(r=cluster.playbook(
         "launch.yml", "-e", "run_id=rc-a", "-e", "follow=true", *train_a)))
@@ -233,8 +236,7 @@ def test_runs_lists_every_run_with_its_state(provisioned, cluster):
 def test_two_launches_at_once_start_exactly_one_run(provisioned, cluster):
     """Two launch.yml started together pass their plans side by side; the run root's lock lets
     exactly one start, with different run ids and with the same one."""
-    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=100000)}),
-             "-e", "preflight=false"]
+    train = until_stopped()
     for ids in (["race-a", "race-b"], ["race-same", "race-same"]):
         for n in cluster.names:
             cluster.exec(n, f"rm -rf {' '.join(f'{RUNS}/{i}' for i in set(ids))}")
