@@ -80,6 +80,23 @@ node_tools() {
 }
 if wants container; then start node-tools .cache/node-tools.log node_tools; fi
 
+# The suite's two venvs (the control venv: Ansible, pytest; the local tier's train venv: torch and
+# DeepSpeed) on the distribution's Python where it is 3.11 or newer with venv and its headers:
+# Debian's is built with PGO and LTO, a python3 built from source by default (pyenv's) is not, and
+# the suite is CPU-bound (Ansible's playbook runs took 13-22 % less CPU on Debian's 3.11.2 than on
+# pyenv's 3.11.7 here: docs/testing.md). PYTHON overrides it.
+suite_python() {
+  local p
+  for p in /usr/bin/python3 python3; do
+    if "$p" -c 'import ensurepip, os, sys, sysconfig, venv
+sys.exit(sys.version_info < (3, 11) or not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' 2>/dev/null; then
+      echo "$p"; return
+    fi
+  done
+  echo python3
+}
+venv_python=${PYTHON:-$(suite_python)}
+
 # The offline wheelhouse (downloads with the machine's own python3 and pip) from the start, beside
 # the control venv and the unit tier.
 if wants local || wants container; then
@@ -87,7 +104,7 @@ if wants local || wants container; then
     env REQUIREMENTS_FILE=tests/fixtures/scripts/requirements.txt bash scripts/wheelhouse.sh
 fi
 
-phase "control venv" bash scripts/setup-control.sh
+phase "control venv" env PYTHON="$venv_python" bash scripts/setup-control.sh
 
 # What the tests install beside the wheelhouse, fetched here (with the control venv's pip) so that
 # the tests themselves reach only their own containers: DeepSpeed's source archive as PyPI has it
@@ -125,7 +142,8 @@ if wants container; then start image .cache/image-build.log provisioned_image; f
 local_tier() {
   await wheelhouse .cache/wheelhouse.log >/dev/null
   [ -x .cache/train-venv/bin/deepspeed ] || phase "train venv (offline, from the wheelhouse)" bash -c \
-    'python3 -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed'
+    '"$0" -m venv .cache/train-venv && .cache/train-venv/bin/pip install -q --no-index --find-links .cache/wheelhouse torch deepspeed' \
+    "$venv_python"
   if wants unit; then await unit /dev/null; fi
   phase "local tier" tier local tests/local -v -rs --durations=5
 }
