@@ -82,6 +82,39 @@ def sh(*cmd, check=True, capture=True, input=None):
     return r
 
 
+# Each running container's id, environment and PID 1 (as the host sees it), read once by `enter`.
+_ENTERED: dict[str, tuple[str, list[str], int]] = {}
+
+
+def _runs_in(pid, cid):
+    """Whether host PID `pid` is still in the container whose id is `cid` (its cgroup names it)."""
+    try:
+        return cid in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+
+
+def enter(name, user=None):
+    """argv that runs a command inside a running container as `podman exec [--user]` does (its
+    namespaces, the image's environment, the user's own groups and home) without podman's client,
+    conmon and runc for every call: here `podman exec` costs about 0.08 CPU s and 0.3 s of wall time
+    a call, nsenter about 0.01 and 0.02, and a suite makes some 2,000 such calls. The PID is checked
+    against the container's id on every call (a restarted container has a new one); None when the
+    container is not running."""
+    for fresh in (False, True):
+        if fresh or name not in _ENTERED:
+            r = sh("podman", "inspect", "--format", "{{.Id}} {{.State.Pid}} {{json .Config.Env}}", name, check=False)
+            if r.returncode != 0:
+                return None
+            cid, pid, env = r.stdout.strip().split(" ", 2)
+            _ENTERED[name] = (cid, json.loads(env), int(pid))
+        cid, env, pid = _ENTERED[name]
+        if pid and _runs_in(pid, cid):
+            return (["nsenter", "--target", str(pid), "--all", "env", "-i", *env]
+                    + (["runuser", "-u", user, "--"] if user else []))
+    return None
+
+
 def node_name(i):
     return f"node{i}"
 
@@ -369,10 +402,12 @@ class Cluster:
 
     def exec(self, node, cmd, user=None, check=True, timeout=120):
         """A command inside a node's container (test inspection, not how the toolkit reaches nodes)."""
-        argv = ["podman", "exec"] + (["--user", user] if user else []) + [
-            PREFIX + node, "bash", "-lc", cmd]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                           env=dict(os.environ, CONTAINERS_CONF=os.environ["CONTAINERS_CONF"]))
+        inside = enter(PREFIX + node, user)
+        if inside is None:  # as podman exec answers for a stopped container
+            r = subprocess.CompletedProcess([node, cmd], 125, "", f"container {PREFIX + node} is not running")
+        else:
+            r = subprocess.run([*inside, "bash", "-lc", cmd], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=timeout)
         if check:
             assert r.returncode == 0, f"{node}: {cmd}: {r.stdout}{r.stderr}"
         return r
