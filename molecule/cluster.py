@@ -97,8 +97,8 @@ def _runs_in(pid, cid):
 def enter(name, user=None):
     """argv that runs a command inside a running container as `podman exec [--user]` does (its
     namespaces, the image's environment, the user's own groups and home) without podman's client,
-    conmon and runc for every call: here `podman exec` costs about 0.08 CPU s and 0.3 s of wall time
-    a call, nsenter about 0.01 and 0.02, and a suite makes some 2,000 such calls. The PID is checked
+    conmon and runc for every call: on an idle test cluster here `podman exec` took 0.14-0.15 CPU s
+    of the machine a call, nsenter 0.01, and a suite makes some 2,000 such calls. The PID is checked
     against the container's id on every call (a restarted container has a new one); None when the
     container is not running."""
     for fresh in (False, True):
