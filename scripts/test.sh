@@ -83,8 +83,8 @@ if wants container; then start node-tools .cache/node-tools.log node_tools; fi
 # The suite's two venvs (the control venv: Ansible, pytest; the local tier's train venv: torch and
 # DeepSpeed) on the distribution's Python where it is 3.11 or newer with venv and its headers:
 # Debian's is built with PGO and LTO, a python3 built from source by default (pyenv's) is not, and
-# the suite is CPU-bound (Ansible's playbook runs took 13-22 % less CPU on Debian's 3.11.2 than on
-# pyenv's 3.11.7 here: docs/testing.md). PYTHON overrides it.
+# the suite is CPU-bound (on Debian's 3.11.2 rather than pyenv's 3.11.7 the local tier's DeepSpeed
+# processes took a quarter less CPU, Ansible's a sixteenth: docs/testing.md). PYTHON overrides it.
 suite_python() {
   local p
   for p in /usr/bin/python3 python3; do
