@@ -101,33 +101,59 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
                                   check=False).returncode == 0, 120, f"ssh from the master to {worker} again", every=2)
 
 
-def test_run_survives_a_dropped_connection_and_a_second_launch_needs_replace(provisioned, cluster, figures):
-    run_id, ended = "f-drop", False
+def test_a_run_survives_a_dropped_connection_and_its_replacement_stopped_mid_checkpoint_resumes(provisioned, cluster,
+                                                                                                figures):
+    """f-drop trains on through dropped SSH sessions; a second launch is refused until it says
+    replace=true. The run that replaces it, f-second, is then stopped inside a checkpoint write,
+    held open deterministically (the file the master's rank 0 writes is a FIFO with no reader:
+    storage that stalls), and resumes from the checkpoint before it (one start for both faults)."""
+    first, run_id, every, ended = "f-drop", "f-second", 4, False
     try:
-        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=1000))
-        wait(lambda: cluster.run_status(run_id)["last"], 120, "a first logged step")
+        launch(cluster, first, dict(UNTIL_STOPPED, save_every=1000))
+        wait(lambda: cluster.run_status(first)["last"], 120, "a first logged step")
         # Drop every SSH session from the control node (Ansible's persistent ones included).
         for n in cluster.names:
             cluster.exec(n, "pkill -f '[s]shd: root' || true")
-        before = cluster.run_status(run_id)["last"]["step"]
-        wait(lambda: cluster.run_status(run_id)["last"]["step"] > before + 2, 60, "steps after the drop")
-        st = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
-        assert st.returncode == 0 and f"run {run_id}: running" in st.output, st.output[-3000:]
-        second = cluster.playbook("launch.yml", "-e", "run_id=f-second")
-        assert second.returncode != 0 and f"run {run_id} is active on {cluster.master}" in second.output
+        before = cluster.run_status(first)["last"]["step"]
+        wait(lambda: cluster.run_status(first)["last"]["step"] > before + 2, 60, "steps after the drop")
+        st = cluster.playbook("status.yml", "-e", f"run_id={first}")
+        assert st.returncode == 0 and f"run {first}: running" in st.output, st.output[-3000:]
+        second = cluster.playbook("launch.yml", "-e", f"run_id={run_id}")
+        assert second.returncode != 0 and f"run {first} is active on {cluster.master}" in second.output
         assert "-e replace=true" in second.output
         assert all(v.get("changed", 0) == 0 for v in second.recap.values()), second.recap
-        replaced = launch(cluster, "f-second", dict(UNTIL_STOPPED, save_every=1000), "-e", "replace=true")
-        assert f"replacing run {run_id}" in replaced.output, replaced.output[-3000:]
-        assert nothing_left(cluster, cluster.names, run_id, only_this_run=True)
-        assert wait(lambda: cluster.rank_pids(cluster.names[1], "f-second"), 60, "the new run's ranks")
-        stop = cluster.playbook("stop.yml", "-e", "run_id=f-second")
-        assert stop.returncode == 0 and nothing_left(cluster, cluster.names, "f-second")
-        ended = True  # f-drop replaced, f-second stopped: nothing left for the stops below
+        replaced = launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=every), "-e", "replace=true")
+        assert f"replacing run {first}" in replaced.output, replaced.output[-3000:]
+        assert nothing_left(cluster, cluster.names, first, only_this_run=True)
+        assert wait(lambda: cluster.rank_pids(cluster.names[1], run_id), 60, "the new run's ranks")
+        cluster.wait_checkpoint(run_id, 2 * every)
+        now = cluster.run_status(run_id)["last"]["step"]
+        # 12 saves ahead: about 5 s at this run's pace (0.1 s a step, a checkpoint, fsynced,
+        # every 4 steps), and the FIFO is in place one podman exec from now.
+        stuck = (now // every + 12) * every
+        cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
+                                     f"mkfifo {RUNS}/{run_id}/checkpoints/step{stuck}/mp_rank_00_model_states.pt",
+                     user="dstrain")
+        wait(lambda: cluster.run_status(run_id)["last"]["step"] == stuck, 120, f"the run to reach step {stuck}")
+        time.sleep(3)  # every rank is now inside save(): the master's write blocks, the others wait
+        assert cluster.run_status(run_id)["last"]["step"] == stuck
+        stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+        assert stop.returncode == 0, stop.output[-3000:]
+        assert nothing_left(cluster, cluster.names, run_id)
+        complete = set.intersection(*(cluster.complete_steps(n, run_id) for n in cluster.names))
+        assert stuck not in complete and max(complete) == stuck - every, sorted(complete)[-3:]
+        res = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "preflight=false",
+                               "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={stuck - 2}"]}))
+        assert res.returncode == 0, res.output[-4000:]
+        ended = True  # followed to its end: nothing of the run is left for stop.yml
+        log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        previous = stuck - every
+        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/step{previous} (step {previous})" in log
+        figures("stop during checkpoint write", half_written_step=stuck, resumed_from=previous)
     finally:
         if not ended:
+            cluster.playbook("stop.yml", "-e", f"run_id={first}")
             cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
-            cluster.playbook("stop.yml", "-e", "run_id=f-second")
 
 
 def _hold_port(cluster, port):
@@ -162,41 +188,6 @@ def test_busy_master_port_takes_the_next_retention_keeps_n_and_an_exhausted_rang
         assert "did not start on node1: every master port from 29500 to 29500 is in use" in unchecked.output
     finally:
         cluster.exec(cluster.master, "pkill -f 'time.sleep\\(600\\)'", check=False)
-
-
-def test_stop_during_a_checkpoint_write_resumes_from_the_previous_one(provisioned, cluster, figures):
-    """The master's checkpoint write is held open deterministically: the file its rank 0 writes
-    is a FIFO with no reader (storage that stalls), so the stop lands inside the write."""
-    run_id, every, ended = "f-ckpt", 4, False
-    try:
-        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=every))
-        cluster.wait_checkpoint(run_id, 2 * every)
-        now = cluster.run_status(run_id)["last"]["step"]
-        # 12 saves ahead: about 5 s at this run's pace (0.1 s a step, a checkpoint, fsynced,
-        # every 4 steps), and the FIFO is in place one podman exec from now.
-        stuck = (now // every + 12) * every
-        cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
-                                     f"mkfifo {RUNS}/{run_id}/checkpoints/step{stuck}/mp_rank_00_model_states.pt",
-                     user="dstrain")
-        wait(lambda: cluster.run_status(run_id)["last"]["step"] == stuck, 120, f"the run to reach step {stuck}")
-        time.sleep(3)  # every rank is now inside save(): the master's write blocks, the others wait
-        assert cluster.run_status(run_id)["last"]["step"] == stuck
-        stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
-        assert stop.returncode == 0, stop.output[-3000:]
-        assert nothing_left(cluster, cluster.names, run_id)
-        complete = set.intersection(*(cluster.complete_steps(n, run_id) for n in cluster.names))
-        assert stuck not in complete and max(complete) == stuck - every, sorted(complete)[-3:]
-        res = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "follow=true", "-e", "preflight=false",
-                               "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={stuck - 2}"]}))
-        assert res.returncode == 0, res.output[-4000:]
-        ended = True  # followed to its end: nothing of the run is left for stop.yml
-        log = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/launcher.log").stdout
-        previous = stuck - every
-        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/step{previous} (step {previous})" in log
-        figures("stop during checkpoint write", half_written_step=stuck, resumed_from=previous)
-    finally:
-        if not ended:
-            cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
 def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster, figures):

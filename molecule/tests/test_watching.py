@@ -41,11 +41,27 @@ def is_png(path, min_bytes=20000):
     return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= min_bytes
 
 
-def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, cluster):
+@pytest.fixture(scope="module")
+def followed(provisioned, cluster):
+    """One run (TensorBoard on) followed to its end three ways at once: by launch.yml's own follow
+    and, once the run is up, by logs.yml and status.yml, which only read it (one DeepSpeed start
+    for the three): {"launch": output, "logs": output, "status": output}."""
     run_id = "w-follow"
     (PLOTS / f"{run_id}.png").unlink(missing_ok=True)
-    r = launch(cluster, run_id, "-e", "follow=true", "-e", "follow_every_s=2", "-e", "dsc_tensorboard=true",
-               *e(dsc_train_config=FOLLOWED))
+    with ThreadPoolExecutor(3) as pool:
+        launched = pool.submit(launch, cluster, run_id, "-e", "follow=true", "-e", "follow_every_s=2",
+                               "-e", "dsc_tensorboard=true", *e(dsc_train_config=FOLLOWED))
+        wait(lambda: launched.done() or cluster.exec(cluster.master, f"test -e {RUNS}/{run_id}/ranks.started",
+                                                     check=False).returncode == 0, 300, f"{run_id}'s ranks")
+        logs = pool.submit(cluster.playbook, "logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
+                           "-e", "lines=3", "-e", "logs_dest=/tmp/dsc-w-stream")
+        status = pool.submit(cluster.playbook, "status.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
+                             "-e", "follow_every_s=2")
+        return {"launch": launched.result(), "logs": logs.result(), "status": status.result()}
+
+
+def test_follow_shows_every_nodes_state_and_ends_with_a_picture(followed, cluster):
+    run_id, r = "w-follow", followed["launch"]
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
     # progress lines, not retry messages: the step counts on from one poll to the next
@@ -60,7 +76,7 @@ def test_follow_shows_every_nodes_state_and_ends_with_a_picture(provisioned, clu
     assert f"Plot: {PLOTS}/{run_id}.png" in r.output and is_png(PLOTS / f"{run_id}.png")
 
 
-def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_lines(provisioned, cluster, tmp_path):
+def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_lines(followed, cluster, tmp_path):
     run_id = "w-follow"  # the run above (TensorBoard on)
     r = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", f"logs_dest={tmp_path}", "-e", "lines=5")
     assert r.returncode == 0, r.output[-3000:]
@@ -72,44 +88,22 @@ def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_l
         assert f"== {node} (last 5 lines)" in r.output, r.output[-3000:]
 
 
-@pytest.fixture(scope="module")
-def followed_twice(provisioned, cluster):
-    """One run followed to its end by logs.yml and status.yml at once (both only read it):
-    {"logs": output, "status": output}."""
-    run_id = "w-stream"
-    launch(cluster, run_id, *e(dsc_train_config=FOLLOWED))
-    with ThreadPoolExecutor(2) as pool:
-        logs = pool.submit(cluster.playbook, "logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
-                           "-e", "lines=3", "-e", "logs_dest=/tmp/dsc-w-stream")
-        status = pool.submit(cluster.playbook, "status.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
-                             "-e", "follow_every_s=2")
-        return {"logs": logs.result(), "status": status.result()}
-
-
-def test_logs_follow_streams_the_log_until_the_run_ends(followed_twice, cluster):
-    r = followed_twice["logs"]
+def test_logs_follow_streams_the_log_until_the_run_ends(followed, cluster):
+    r = followed["logs"]
     assert r.returncode == 0, r.output[-3000:]
-    assert cluster.run_status("w-stream")["state"] == "finished"
+    assert cluster.run_status("w-follow")["state"] == "finished"
     streamed = [x for x in r.output.splitlines() if x.startswith(f"{cluster.names[0]}: ") and "step " in x]
     assert len(streamed) >= 2, r.output[-3000:]
     assert "Process" in r.output and "exits successfully" in r.output  # the log's end came through
     assert "RETRYING" not in r.output
 
 
-def test_status_follows_a_running_run_to_its_end(followed_twice, cluster):
-    r = followed_twice["status"]
+def test_status_follows_a_running_run_to_its_end(followed, cluster):
+    r = followed["status"]
     assert r.returncode == 0, r.output[-3000:]
-    lines = [x for x in r.output.splitlines() if x.startswith("run w-stream: running, step ")]
+    lines = [x for x in r.output.splitlines() if x.startswith("run w-follow: running, step ")]
     assert lines and "RETRYING" not in r.output, r.output[-3000:]
-    assert cluster.run_status("w-stream")["state"] == "finished" and f"Plot: {PLOTS}/w-stream.png" in r.output
-
-
-def test_plot_draws_several_runs_in_one_picture(provisioned, cluster):
-    r = cluster.playbook("plot.yml", *e(plot_runs=["w-follow", "w-stream"]))
-    assert r.returncode == 0, r.output[-3000:]
-    assert is_png(PLOTS / "w-follow+w-stream.png")
-    bad = cluster.playbook("plot.yml", *e(plot_runs=["w-nope"]))
-    assert bad.returncode != 0 and "plot_runs: no run 'w-nope'" in bad.output
+    assert cluster.run_status("w-follow")["state"] == "finished" and f"Plot: {PLOTS}/w-follow.png" in r.output
 
 
 def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_it_continues(provisioned, cluster, figures):
@@ -173,3 +167,12 @@ def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provis
         cluster.exec(worker, "pkill -CONT -f 'entry --module train.run' || true", check=False)
         if not ended:
             cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
+
+
+def test_plot_draws_several_runs_in_one_picture(followed, cluster):
+    """After the stall runs above: the followed run and the restarted one in one picture."""
+    r = cluster.playbook("plot.yml", *e(plot_runs=["w-follow", "w-stall-fail"]))
+    assert r.returncode == 0, r.output[-3000:]
+    assert is_png(PLOTS / "w-follow+w-stall-fail.png")
+    bad = cluster.playbook("plot.yml", *e(plot_runs=["w-nope"]))
+    assert bad.returncode != 0 and "plot_runs: no run 'w-nope'" in bad.output

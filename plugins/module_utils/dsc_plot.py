@@ -8,6 +8,7 @@ metrics.jsonl or any script's progress.jsonl). Prints {path, runs, points} as JS
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -47,8 +48,12 @@ def plot(histories, out_path):
     rate_ax.set_xlabel("step")
     rate_ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
+    # Written beside and renamed over: two followers of one run (launch.yml's and status.yml's)
+    # draw the same picture when it ends, and neither may leave the other's half-written file.
+    part = f"{out_path}.{os.getpid()}.part"
+    fig.savefig(part, dpi=100, format="png")
     plt.close(fig)
+    os.replace(part, out_path)
     return {"path": str(out_path), "runs": list(histories), "points": points}
 
 

@@ -23,6 +23,7 @@ def test_two_runs_make_one_png_with_both(tmp_path):
     assert json.loads(r.stdout) == {"path": str(out), "runs": ["zero2-a", "own-clm"], "points": 48}
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000  # a real picture, not an empty frame
+    assert [f.name for f in tmp_path.iterdir()] == ["runs.png"]  # written beside, renamed over: no part left
 
 
 def load_plot():
