@@ -21,6 +21,8 @@ FOLLOWED_STEPS = 160
 FOLLOWED = dict(TINY, steps=FOLLOWED_STEPS, min_step_s=0.05, log_every=5, save_every=1000)
 # A stopped rank is a stall after this long without a step (a tiny step takes ~20 ms here).
 STALL_S = 8
+# The run launch.yml follows, with logs.yml and status.yml following it beside (the `followed` fixture).
+FOLLOWED_RUN = "w-follow"
 
 
 def e(**values):
@@ -42,26 +44,25 @@ def is_png(path, min_bytes=20000):
 
 
 @pytest.fixture(scope="module")
-def followed(provisioned, cluster):
+def followed(provisioned, cluster, tmp_path_factory):
     """One run (TensorBoard on) followed to its end three ways at once: by launch.yml's own follow
     and, once the run is up, by logs.yml and status.yml, which only read it (one DeepSpeed start
     for the three): {"launch": output, "logs": output, "status": output}."""
-    run_id = "w-follow"
+    run_id = FOLLOWED_RUN
     (PLOTS / f"{run_id}.png").unlink(missing_ok=True)
     with ThreadPoolExecutor(3) as pool:
         launched = pool.submit(launch, cluster, run_id, "-e", "follow=true", "-e", "follow_every_s=2",
                                "-e", "dsc_tensorboard=true", *e(dsc_train_config=FOLLOWED))
-        wait(lambda: launched.done() or cluster.exec(cluster.master, f"test -e {RUNS}/{run_id}/ranks.started",
-                                                     check=False).returncode == 0, 300, f"{run_id}'s ranks")
+        wait(lambda: launched.done() or cluster.rank_pids(cluster.master, run_id), 300, f"{run_id}'s ranks")
         logs = pool.submit(cluster.playbook, "logs.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
-                           "-e", "lines=3", "-e", "logs_dest=/tmp/dsc-w-stream")
+                           "-e", "lines=3", "-e", f"logs_dest={tmp_path_factory.mktemp('logs-follow')}")
         status = pool.submit(cluster.playbook, "status.yml", "-e", f"run_id={run_id}", "-e", "follow=true",
                              "-e", "follow_every_s=2")
         return {"launch": launched.result(), "logs": logs.result(), "status": status.result()}
 
 
 def test_follow_shows_every_nodes_state_and_ends_with_a_picture(followed, cluster):
-    run_id, r = "w-follow", followed["launch"]
+    run_id, r = FOLLOWED_RUN, followed["launch"]
     lines = [x for x in r.output.splitlines() if x.startswith(f"run {run_id}: running, step ")]
     assert len(lines) >= 2 and "RETRYING" not in r.output, r.output[-3000:]
     # progress lines, not retry messages: the step counts on from one poll to the next
@@ -77,7 +78,7 @@ def test_follow_shows_every_nodes_state_and_ends_with_a_picture(followed, cluste
 
 
 def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_lines(followed, cluster, tmp_path):
-    run_id = "w-follow"  # the run above (TensorBoard on)
+    run_id = FOLLOWED_RUN  # TensorBoard on
     r = cluster.playbook("logs.yml", "-e", f"run_id={run_id}", "-e", f"logs_dest={tmp_path}", "-e", "lines=5")
     assert r.returncode == 0, r.output[-3000:]
     master = tmp_path / run_id / cluster.names[0]
@@ -91,7 +92,7 @@ def test_logs_fetches_monitor_and_tensorboard_files_and_prints_each_nodes_last_l
 def test_logs_follow_streams_the_log_until_the_run_ends(followed, cluster):
     r = followed["logs"]
     assert r.returncode == 0, r.output[-3000:]
-    assert cluster.run_status("w-follow")["state"] == "finished"
+    assert cluster.run_status(FOLLOWED_RUN)["state"] == "finished"
     streamed = [x for x in r.output.splitlines() if x.startswith(f"{cluster.names[0]}: ") and "step " in x]
     assert len(streamed) >= 2, r.output[-3000:]
     assert "Process" in r.output and "exits successfully" in r.output  # the log's end came through
@@ -101,9 +102,9 @@ def test_logs_follow_streams_the_log_until_the_run_ends(followed, cluster):
 def test_status_follows_a_running_run_to_its_end(followed, cluster):
     r = followed["status"]
     assert r.returncode == 0, r.output[-3000:]
-    lines = [x for x in r.output.splitlines() if x.startswith("run w-follow: running, step ")]
+    lines = [x for x in r.output.splitlines() if x.startswith(f"run {FOLLOWED_RUN}: running, step ")]
     assert lines and "RETRYING" not in r.output, r.output[-3000:]
-    assert cluster.run_status("w-follow")["state"] == "finished" and f"Plot: {PLOTS}/w-follow.png" in r.output
+    assert cluster.run_status(FOLLOWED_RUN)["state"] == "finished" and f"Plot: {PLOTS}/{FOLLOWED_RUN}.png" in r.output
 
 
 def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_it_continues(provisioned, cluster, figures):
@@ -171,8 +172,8 @@ def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provis
 
 def test_plot_draws_several_runs_in_one_picture(followed, cluster):
     """After the stall runs above: the followed run and the restarted one in one picture."""
-    r = cluster.playbook("plot.yml", *e(plot_runs=["w-follow", "w-stall-fail"]))
+    r = cluster.playbook("plot.yml", *e(plot_runs=[FOLLOWED_RUN, "w-stall-fail"]))
     assert r.returncode == 0, r.output[-3000:]
-    assert is_png(PLOTS / "w-follow+w-stall-fail.png")
+    assert is_png(PLOTS / f"{FOLLOWED_RUN}+w-stall-fail.png")
     bad = cluster.playbook("plot.yml", *e(plot_runs=["w-nope"]))
     assert bad.returncode != 0 and "plot_runs: no run 'w-nope'" in bad.output
