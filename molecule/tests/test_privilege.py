@@ -84,12 +84,12 @@ def test_a_non_root_ansible_user_with_sudo_runs_the_whole_cycle(provisioned, clu
 
     def play(name, *args):
         return cluster.playbook(name, *args, inventory=inventory)
-    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=5)})]
+    train = ["-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=10)})]
     ended = False
     try:
         r = play("launch.yml", "-e", "run_id=ops-1", *train)
         assert r.returncode == 0 and "ansible_user" not in r.output, r.output[-3000:]
-        cluster.wait_checkpoint("ops-1", 5)
+        cluster.wait_checkpoint("ops-1", 10)
         second = play("launch.yml", "-e", "run_id=ops-2")
         assert second.returncode != 0 and "run ops-1 is active" in second.output, second.output[-3000:]
         status = play("status.yml")

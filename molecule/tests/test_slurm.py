@@ -142,8 +142,8 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
         assert r.returncode == 0, r.output[-6000:]
         return r
 
-    launch(first, **tc.UNTIL_STOPPED, save_every=4)
-    tc.wait(lambda: _last_step(cluster, first) > 9, 180, f"{first} past its second checkpoint")
+    launch(first, **tc.UNTIL_STOPPED, save_every=20)
+    tc.wait(lambda: _last_step(cluster, first) > 45, 180, f"{first} past its second checkpoint")
     # paced (6 s of steps at least): the follow below, every 2 s, shows progress lines of it
     queued = launch(second, steps=40, min_step_s=0.15)
     job2 = re.search(rf"Run {second} submitted as Slurm job (\d+) \(world size 2, partition dsc\): PENDING", queued.output)
@@ -177,7 +177,7 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
         assert f"--node_rank={n}" in log and "dist_world_size=2" in log, log[-2000:]
     job = cluster.exec("slu1", f"ls {RUNS}/{second}/ | grep '^slurm-.*out$'").stdout.split()
     assert len(job) == 1, job
-    end = _last_step(cluster, first) + 4
+    end = _last_step(cluster, first) + 10
     resumed = cluster.playbook("resume.yml", "-e", f"run_id={first}", "-e", "follow=true",
                                "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={end}"]}), inventory=inv)
     assert resumed.returncode == 0 and f"Run {first} finished at step {end}." in resumed.output, resumed.output[-4000:]
@@ -206,17 +206,14 @@ def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, clus
     dsc_slurm_account): a rank killed on slu2 ends its node's task, which ends the other
     (--kill-on-bad-exit); the batch job starts both again from the latest complete checkpoint, and
     the followed run finishes with one restart, its job COMPLETED in status."""
-    inv, run, steps, every = slurm_nodes["site"], "sl-4", 50, 5
-    # Paced to 0.2 s a step: the kill lands a few steps past the second checkpoint, 30 steps (6 s
-    # at least) before the end.
+    inv, run, steps = slurm_nodes["site"], "sl-4", 150
     r = cluster.playbook("launch.yml", "-e", f"run_id={run}", "-e", "preflight=false", "-e", "max_restarts=1",
                          "-e", "restart_backoff_s=1",
-                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=steps, save_every=every, min_step_s=0.2)}),
-                         inventory=inv)
+                         "-e", json.dumps({"dsc_train_config": dict(tc.TINY, steps=steps, save_every=10, min_step_s=0.05)}), inventory=inv)
     assert r.returncode == 0, r.output[-6000:]
     job = re.search(rf"Run {run} submitted as Slurm job (\d+)", r.output).group(1)
     assert "Account=research " in cluster.exec("slu1", f"scontrol show job {job}").stdout
-    tc.wait(lambda: _last_step(cluster, run) > 2 * every + 2, 180, f"{run} past its second checkpoint")
+    tc.wait(lambda: _last_step(cluster, run) > 25, 180, f"{run} past its second checkpoint")
     victim = tc.wait(lambda: cluster.rank_pids("slu2", run), 30, "a rank on slu2")[0]
     cluster.exec("slu2", f"kill -9 {victim}")
     followed = cluster.playbook("status.yml", "-e", f"run_id={run}", "-e", "follow=true", inventory=inv)
@@ -227,4 +224,4 @@ def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, clus
     assert "[dsc slurm] restart 1/1 of every node in 1 s from the latest complete checkpoint" in out, out[-2000:]
     assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
     summary = json.loads(cluster.exec("slu1", f"cat {RUNS}/{run}/summary.json").stdout)
-    assert 2 * every <= summary["start_step"] < steps, summary  # the second attempt resumed from a checkpoint
+    assert 10 <= summary["start_step"] < steps, summary  # the second attempt resumed from a checkpoint

@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
 PLOTS = ROOT / "runs" / "testcluster" / "plots"
 # Short enough for the suite, long enough for several of follow's polls (every 2 s here, users'
-# default 5) and log polls (follow_log_every_s, 2 s) while the ranks train: at least 15 s of steps,
-# each paced to 0.25 s (train.run's min_step_s; paced rather than many, as steps cost CPU).
-FOLLOWED_STEPS = 60
-FOLLOWED = dict(TINY, steps=FOLLOWED_STEPS, min_step_s=0.25, log_every=5, save_every=1000)
+# default 5) and log polls (follow_log_every_s, 2 s) while the ranks train: at least 8 s of steps,
+# each paced to 0.05 s (train.run's min_step_s).
+FOLLOWED_STEPS = 160
+FOLLOWED = dict(TINY, steps=FOLLOWED_STEPS, min_step_s=0.05, log_every=5, save_every=1000)
 # A stopped rank is a stall after this long without a step (a tiny step takes ~20 ms here).
 STALL_S = 8
 # The run launch.yml follows, with logs.yml and status.yml following it beside (the `followed` fixture).
@@ -110,7 +110,7 @@ def test_status_follows_a_running_run_to_its_end(followed, cluster):
 def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_it_continues(provisioned, cluster, figures):
     run_id, worker = "w-stall-mark", cluster.names[1]
     launch(cluster, run_id, "-e", f"dsc_stall_timeout_s={STALL_S}",
-           *e(dsc_train_config=dict(TINY, **UNTIL_STOPPED, log_every=2, save_every=100000)))
+           *e(dsc_train_config=dict(TINY, **UNTIL_STOPPED, log_every=10, save_every=100000)))
     try:
         wait(lambda: (cluster.run_status(run_id).get("last") or {}).get("step"), 300, "the first steps")
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
@@ -145,11 +145,11 @@ def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_i
 
 
 def test_a_stall_with_stall_fail_is_torn_down_and_restarted_to_completion(provisioned, cluster):
-    run_id, worker, steps, every, ended = "w-stall-fail", cluster.names[1], 40, 10, False
-    # Paced (0.25 s a step): after the first checkpoint, 30 steps (7.5 s at least) remain for the stop.
+    run_id, worker, steps, every, ended = "w-stall-fail", cluster.names[1], 200, 50, False
+    # Paced (0.05 s a step): after the first checkpoint, 150 steps (7.5 s at least) remain for the stop.
     launch(cluster, run_id, "-e", f"dsc_stall_timeout_s={STALL_S}", "-e", "dsc_stall_fail=true",
            "-e", "max_restarts=1", "-e", "restart_backoff_s=2",
-           *e(dsc_train_config=dict(TINY, steps=steps, min_step_s=0.25, log_every=2, save_every=every)))
+           *e(dsc_train_config=dict(TINY, steps=steps, min_step_s=0.05, log_every=10, save_every=every)))
     try:
         cluster.wait_checkpoint(run_id, every)
         victim = wait(lambda: cluster.rank_pids(worker, run_id), 30, "a rank on the worker")[0]
