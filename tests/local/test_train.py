@@ -103,7 +103,7 @@ def test_half_written_checkpoint_is_never_latest(tmp_path):
     (ck / "latest").write_text("step8")  # DeepSpeed's own pointer may already name it
     r = subprocess.run([str(VENV / "bin" / "python"), "-c",
                         f"from train.run import latest_complete; print(latest_complete(__import__('pathlib').Path('{ck}')).name)"],
-                       cwd=ROOT, env=dict(os.environ, **NODE_PATH), capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, env=dict(os.environ, **NODE_PATH), capture_output=True, text=True, timeout=300)
     assert r.stdout.strip() == "step4", r.stderr
 
 
@@ -116,7 +116,7 @@ def test_half_written_checkpoint_is_never_latest(tmp_path):
 def test_bad_config_gives_a_clear_error(tmp_path, sets, needle):
     env = dict(os.environ, **NODE_PATH, DSC_RUN_DIR=str(tmp_path))
     cmd = [str(VENV / "bin" / "python"), "-m", "train.run"] + [a for s in sets for a in ("--set", s)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert needle in r.stderr, r.stderr
 
