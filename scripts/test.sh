@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh machine, in three tiers, fastest first:
+# The whole test suite, from a fresh machine, in three tiers:
 #   unit       tests/unit: pure logic (the plan, the node helper, train/config.py); seconds, nothing installed
 #   local      tests/local: what needs no container (train/ on 2 CPU ranks here, ansible-lint, ruff)
 #   container  molecule/tests: what needs real nodes (a cluster of podman containers over SSH)
+# The unit tier first (its failure stops the rest); the local tier at low priority beside the
+# provisioned image's build and the container tier; the suite fails if any tier does.
 # It installs what each tier needs (the control venv; the offline wheelhouse and a CPU
 # torch+DeepSpeed venv; podman, runc and debootstrap from apt and the node images), the downloads
 # beside the control venv, the unit tier and each other, and ends with where the time went
