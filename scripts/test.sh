@@ -17,14 +17,17 @@ export CONTAINERS_CONF=$PWD/molecule/containers.conf
 export DSC_TIMINGS=$PWD/.cache/timings.jsonl
 tiers=${DSC_TIERS:-unit local container}
 mkdir -p .cache && rm -f "$DSC_TIMINGS"
-low_group=dsc-tests-$$  # the local tier's cgroup (low_priority)
+# The local tier's cgroup (low_priority), under cgroup v1's cpu hierarchy or v2's root.
+low_groups=(/sys/fs/cgroup/cpu/dsc-tests-$$ /sys/fs/cgroup/dsc-tests-$$)
 
-# phase NAME COMMAND...: run it and record its wall seconds; its exit status.
+# phase NAME COMMAND...: run it and record its wall seconds. A failure ends the script, as
+# errexit does; where errexit is off (`phase ... || status=$?`), it is phase's exit status.
 phase() {
-  local name=$1 t0 rc=0; shift
+  local name=$1 t0; shift
   t0=$(date +%s%N)
   echo "== $name"
-  "$@" || rc=$?
+  "$@"
+  local rc=$?
   local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   printf '{"kind": "phase", "name": "%s", "seconds": %d.%03d}\n' "$name" $((ms / 1000)) $((ms % 1000)) >>"$DSC_TIMINGS"
   return "$rc"
@@ -42,7 +45,7 @@ summary() {
   printf '{"kind": "wall", "seconds": %d.%03d}\n' $((ms / 1000)) $((ms % 1000)) >>"$DSC_TIMINGS"
   # A tier that failed first leaves no background job behind (the image build), nor its children.
   kill_tree $(jobs -pr)
-  rmdir "/sys/fs/cgroup/cpu/$low_group" "/sys/fs/cgroup/$low_group" 2>/dev/null || true
+  rmdir "${low_groups[@]}" 2>/dev/null || true
   if [ -f .cache/test-figures.jsonl ]; then echo "== figures the tests measured"; cat .cache/test-figures.jsonl; fi
   echo "== where the time went ($DSC_TIMINGS)"
   [ -x .venv/bin/python ] && [ -f "$DSC_TIMINGS" ] && .venv/bin/python scripts/timings.py "$DSC_TIMINGS" || true
@@ -119,9 +122,9 @@ phase "control venv" env PYTHON="$venv_python" bash scripts/setup-control.sh
 fetch_test_packages() {
   . requirements/pins.env
   local fetch=(.venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d .cache/test-packages.part)
-  "${fetch[@]}" --no-binary :all: "deepspeed==$DEEPSPEED_VERSION" &&
-    "${fetch[@]}" --only-binary :all: wheel packaging==26.3 &&
-    mv .cache/test-packages.part .cache/test-packages
+  "${fetch[@]}" --no-binary :all: "deepspeed==$DEEPSPEED_VERSION"
+  "${fetch[@]}" --only-binary :all: wheel packaging==26.3
+  mv .cache/test-packages.part .cache/test-packages
 }
 if wants container && [ ! -d .cache/test-packages ]; then
   start test-packages .cache/test-packages.log phase "test packages (.cache/test-packages)" fetch_test_packages
@@ -148,9 +151,8 @@ if wants container; then start image .cache/image-build.log provisioned_image; f
 # cgroup as one each, whatever the nice inside (docs/testing.md). The group goes at the end (summary).
 low_priority() {
   local g
-  for g in /sys/fs/cgroup/cpu /sys/fs/cgroup; do
-    [ -f "$g/cgroup.procs" ] || continue
-    g+=/$low_group
+  for g in "${low_groups[@]}"; do
+    [ -f "$(dirname "$g")/cgroup.procs" ] || continue
     if mkdir -p "$g" 2>/dev/null && { echo 100 >"$g/cpu.shares" || echo 10 >"$g/cpu.weight"; } 2>/dev/null &&
        echo "$BASHPID" >"$g/cgroup.procs" 2>/dev/null; then
       echo "== at low priority (cgroup $g)"; return
