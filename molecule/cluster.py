@@ -5,6 +5,7 @@ address and sshd, reached over SSH with a key and a pinned known_hosts, as a use
     python3 molecule/cluster.py down               # remove containers and network
     python3 molecule/cluster.py env                # print the inventory path
     python3 molecule/cluster.py image              # make (or reuse) the provisioned node image
+    python3 molecule/cluster.py systemd-layer      # and the systemd layer on it (test_slurm's nodes)
 
 The inventory lands in $DSC_TEST_STATE (default .cache/testcluster)/inventory. Node 2 runs sshd on a
 non-default port, so that every test also exercises the port plumbing. A container named
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -192,13 +194,24 @@ def extra_nodes(nodes, where, start, extra=""):
         sh("podman", "rm", "-f", "-t", "0", *containers, check=False)
 
 
+def systemd_tag(base):
+    return f"{base}-systemd"
+
+
 def systemd_image(base):
     """The systemd layer (molecule/node-systemd.Containerfile) on `base` (the provisioned image:
-    its env, torch and DeepSpeed's ops), built once per base: `<base>-systemd`."""
-    tag = f"{base}-systemd"
-    if sh("podman", "image", "exists", tag, check=False).returncode != 0:
-        sh("podman", "build", "-q", "--network=host", "--build-arg", f"BASE={base}", "-t", tag,
-           "-f", str(ROOT / "molecule" / "node-systemd.Containerfile"), str(ROOT / "molecule"))
+    its env, torch and DeepSpeed's ops), built once per base: `<base>-systemd`. scripts/test.sh
+    builds it beside the container tier (`cluster.py systemd-layer`); test_slurm's nodes wait for
+    that build under the same lock, or make it."""
+    tag = systemd_tag(base)
+    (ROOT / ".cache").mkdir(exist_ok=True)
+    with open(ROOT / ".cache" / "systemd-layer.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if sh("podman", "image", "exists", tag, check=False).returncode != 0:
+            if sh("podman", "image", "exists", base, check=False).returncode != 0:
+                raise RuntimeError(f"no image {base} to build the systemd layer on: `cluster.py image` makes it")
+            sh("podman", "build", "-q", "--network=host", "--build-arg", f"BASE={base}", "-t", tag,
+               "-f", str(ROOT / "molecule" / "node-systemd.Containerfile"), str(ROOT / "molecule"))
     return tag
 
 
@@ -274,10 +287,15 @@ def provision_digest():
     return h.hexdigest()[:16]
 
 
+def provisioned_tag():
+    return f"{PROVISIONED_REPO}:provisioned-{provision_digest()}"
+
+
 def provisioned_image():
     """(tag, output of the provision.yml that made it): the image made now, or the one a suite
-    made before from the same inputs. Older provisioned images are removed."""
-    tag = f"{PROVISIONED_REPO}:provisioned-{provision_digest()}"
+    made before from the same inputs. Older provisioned images are removed (their systemd layers
+    with them)."""
+    tag = provisioned_tag()
     log = ROOT / ".cache" / f"{tag.rsplit(':', 1)[1]}.log"
     if sh("podman", "image", "exists", tag, check=False).returncode == 0 and log.exists():
         print(f"reusing {tag}")
@@ -296,10 +314,8 @@ def provisioned_image():
     sh("podman", "commit", "-q", PREFIX + builder.master, tag)
     log.write_text(r.output)
     down()
-    # test_slurm's nodes: the systemd layer on it, built here beside the local tier.
-    layer = systemd_image(tag)
     old = sh("podman", "images", "--format", "{{.Repository}}:{{.Tag}}", PROVISIONED_REPO).stdout.split()
-    for other in [t for t in old if ":provisioned-" in t and t not in (tag, layer)]:
+    for other in [t for t in old if ":provisioned-" in t and t not in (tag, systemd_tag(tag))]:
         sh("podman", "rmi", "-f", other, check=False)
     return tag, r.output
 
@@ -484,7 +500,7 @@ def wait(cond, timeout, what, every=1.0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=["up", "down", "env", "image"])
+    p.add_argument("action", choices=["up", "down", "env", "image", "systemd-layer"])
     p.add_argument("--nodes", type=int, default=int(os.environ.get("DSC_TEST_NODES", "2")))
     a = p.parse_args(argv)
     if a.action == "up":
@@ -494,6 +510,8 @@ def main(argv=None):
         down()
     elif a.action == "image":
         print(provisioned_image()[0])
+    elif a.action == "systemd-layer":
+        print(systemd_image(provisioned_tag()))
     else:
         print(STATE / "inventory")
 

@@ -6,7 +6,7 @@
 # The unit tier first (its failure stops the rest); the local tier at low priority beside the
 # provisioned image's build and the container tier; the suite fails if any tier does.
 # It installs what each tier needs (the control venv; the offline wheelhouse and a CPU
-# torch+DeepSpeed venv; podman, runc and debootstrap from apt and the node images), the downloads
+# torch+DeepSpeed venv; podman, runc and mmdebstrap from apt and the node images), the downloads
 # beside the control venv, the unit tier and each other, and ends with where the time went
 # (scripts/timings.py over .cache/timings.jsonl).
 #   bash scripts/test.sh [pytest args for the container tier]
@@ -74,19 +74,28 @@ await() {
 }
 rm -rf .cache/jobs && mkdir -p .cache/jobs
 
-# What the container tier needs from outside: podman and its friends from apt and the node images
-# from debootstrap (mostly downloads and dpkg, on one core) from the very start, beside the
-# wheelhouse, the control venv and the unit tier: the provisioned image's build waits on them.
+# What the container tier needs from outside: podman and its friends from apt and the node image
+# from mmdebstrap (mostly downloads and dpkg) from the very start, beside the wheelhouse, the
+# control venv and the unit tier: the provisioned image's build waits on them. The systemd node
+# image (test_firewalld's nodes) is built on the node image beside the provisioned image's build,
+# which does not need it.
 node_tools() {
   local need=() tool
-  for tool in podman runc debootstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
+  for tool in podman runc mmdebstrap ssh-keygen rsync; do command -v "$tool" >/dev/null || need+=("$tool"); done
   if [ ${#need[@]} -gt 0 ]; then
-    phase "podman runc debootstrap openssh-client rsync (apt)" bash -c 'apt-get update -qq &&
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap openssh-client rsync >/dev/null'
+    phase "podman runc mmdebstrap openssh-client rsync (apt)" bash -c 'apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap openssh-client rsync >/dev/null'
   fi
-  phase "node images" bash molecule/build-image.sh
+  phase "node image" bash molecule/build-image.sh base
 }
-if wants container; then start node-tools .cache/node-tools.log node_tools; fi
+systemd_node_image() {
+  await node-tools .cache/node-tools.log >/dev/null
+  phase "systemd node image (beside the provisioned image)" bash molecule/build-image.sh systemd
+}
+if wants container; then
+  start node-tools .cache/node-tools.log node_tools
+  start systemd-image .cache/systemd-image.log systemd_node_image
+fi
 
 # The suite's two venvs (the control venv: Ansible, pytest; the local tier's train venv: torch and
 # DeepSpeed) on the distribution's Python where it is 3.11 or newer with venv and its headers:
@@ -222,16 +231,22 @@ container_tier() {
 if wants container; then
   echo "== waiting for podman and the node images (.cache/node-tools.log)"
   await node-tools .cache/node-tools.log
+  await systemd-image .cache/systemd-image.log
   [ -d .cache/test-packages ] || await test-packages .cache/test-packages.log
 fi
-# The container tier as soon as the image is there; the local tier's end after it, whichever
-# failed: the suite's status is both's.
+# The container tier as soon as the image is there (the systemd layer on it beside the tier's
+# start: test_slurm's nodes, which wait for it); the local tier's end after it, whichever failed:
+# the suite's status is every part's.
 status=0
 if wants container; then
   echo "== waiting for the provisioned node image (.cache/image-build.log)"
   await image .cache/image-build.log
+  start systemd-layer .cache/systemd-layer.log phase "systemd layer on the provisioned image (beside the container tier)" \
+    .venv/bin/python molecule/cluster.py systemd-layer
   rm -f .cache/test-figures.jsonl
   phase "container tier" container_tier "$@" || status=$?
+  echo "== the systemd layer (.cache/systemd-layer.log)"
+  await systemd-layer .cache/systemd-layer.log || status=$?
 fi
 if wants local; then
   echo "== waiting for the local tier (.cache/local-tier.log)"
