@@ -32,8 +32,8 @@ build_base() {
   mkdir -p "$root/run/sshd"
   # Host keys are generated per container at start (ssh-keygen -A), never baked into the image.
   rm -f "$root"/etc/ssh/ssh_host_*
-  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/archives/*.deb
-  # No package lists and an old lists mtime: the first apt task with cache_valid_time updates.
+  # mmdebstrap leaves no package lists nor downloaded packages; with an old lists mtime the first
+  # apt task with cache_valid_time updates.
   touch -d @0 "$root"/var/lib/apt/lists
   tar -C "$root" -c . | podman import --change 'CMD ["/usr/sbin/sshd","-D"]' - "$image"
   echo "built $image"

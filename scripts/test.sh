@@ -175,8 +175,8 @@ low_priority() {
 # The local tier, at low priority from its start to its end: its torch and DeepSpeed first
 # (offline, from the wheelhouse), its tests once the unit tier has passed, in the CPU that the
 # provisioned image's build and then the container tier leave idle (a fifth of the machine while
-# two clusters run). Neither waits for it: the image's build took 213 s beside it so, ~310 beside
-# it at the same priority (docs/testing.md).
+# two clusters run). Neither waits for it: the image's build took 197-216 s beside it so, ~310
+# beside it at the same priority (docs/testing.md).
 local_tier() {
   low_priority
   await wheelhouse .cache/wheelhouse.log >/dev/null
