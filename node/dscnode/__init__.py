@@ -23,6 +23,13 @@ import os
 
 # Where provision.yml installs the built helper on every node (root-owned; the plan reads it from here).
 INSTALLED_PATH = "/usr/local/lib/dscluster/dsc_node.pyz"
+# Root's own directory on every node (root-owned, no other user writes it): what root installs from
+# into an env that is not the training user's (packages/: the lock and the wheelhouse), and what
+# root keeps of the training user's work (warm.json: the last op warm-up's answer). Root never
+# installs from, runs or trusts a file another user can write.
+ROOT_STATE = "/var/lib/dscluster"
+ROOT_PACKAGES = f"{ROOT_STATE}/packages"
+WARM_RECORD = f"{ROOT_STATE}/warm.json"
 
 
 def program():

@@ -5,6 +5,7 @@ reached); their arguments come as JSON in $DSC_PREFLIGHT, and the control node j
 (plugins/filter/preflight.py). Also the free master port that start takes."""
 import json
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -73,8 +74,9 @@ print(json.dumps({"distributions": dists, "python": platform.python_version(), "
 
 
 def versions(python, env, fast=False, user=None):
-    """The env's versions, read by its own python run as `user` (the env's owner): root never
-    runs code from a place the training user can write (a planted .pth would run as root)."""
+    """The env's versions, read by its own python run as `user` (the training user, who runs the
+    ranks): root runs an env's python for pip alone, and never what another user can write (a
+    planted .pth, a package of another user's in site-packages)."""
     if not os.access(python, os.X_OK):
         return {"error": f"{python} does not exist"}
     rc, out, err = run([python, "-c", VERSIONS_FAST if fast else VERSIONS], timeout=180,
@@ -129,7 +131,7 @@ def check(a):
         "cpus": os.cpu_count(),
         "env_prefix_exists": os.path.isdir(a["env_prefix"]),
         "versions": versions(a["python"], a.get("env", {}), fast=a.get("fast", False),
-                             user=a.get("env_owner")),
+                             user=a.get("train_user")),
         "resolve": resolve(a["names"]),
         "disk": {"path": path, "free_gib": gib},
         "interfaces": interfaces(),
@@ -252,3 +254,77 @@ def connect(a):
             last = e.strerror or str(e)
             time.sleep(0.2)
     return {"ok": False, "msg": last}
+
+
+def listeners(port, net="/proc/net"):
+    """The TCP sockets listening on `port` (IPv4 and IPv6, any address): [{uid, inode}], from the
+    kernel's tables, which any user may read."""
+    out = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{net}/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                out.append({"uid": int(cols[7]), "inode": int(cols[9])})
+    return out
+
+
+def _user_name(uid):
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _sockets_of_session(sid):
+    """The socket inodes the processes of session `sid` hold open (this user's own)."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) != sid:
+                    continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    held.add(int(target[8:-1]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return held
+
+
+def iperf_server(a):
+    """A one-shot iperf3 server on this node's training address for preflight's and doctor.yml's
+    pairs, run as the calling user (the training user) and detached, answered once it listens:
+    {"listening": true, "pid"}. Where another process holds the port, nothing of ours listens and
+    the answer names its owner ({"listening": false, "error"}): the pair's client then measures
+    nothing, never a stranger's server."""
+    port, seconds = int(a["port"]), int(a.get("seconds", 60))
+
+    def taken(why):
+        held = listeners(port)
+        owners = ", ".join(sorted({_user_name(h["uid"]) for h in held})) or "nobody now"
+        return {"listening": False, "error": f"port {port} on {socket.gethostname()}: {why}; it is held "
+                                             f"by a process of {owners}. Fix: end that process, or set "
+                                             f"preflight_iperf_port to a free port"}
+    deadline = time.time() + float(a.get("wait_s", 5))  # our own server of the last round may still be ending
+    while any(h["uid"] == os.getuid() for h in listeners(port)) and time.time() < deadline:
+        time.sleep(0.1)
+    if listeners(port):
+        return taken("another process listens on it already")
+    server = subprocess.Popen(["timeout", str(seconds), "iperf3", "-s", "-1", "-p", str(port), "-B", a["addr"]],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    deadline = time.time() + 10
+    while time.time() < deadline and server.poll() is None:
+        ours = _sockets_of_session(server.pid)
+        if any(h["inode"] in ours for h in listeners(port)):
+            return {"listening": True, "pid": server.pid}
+        time.sleep(0.05)
+    if server.poll() is None:
+        server.kill()
+    return taken("our iperf3 server did not listen")

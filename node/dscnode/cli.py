@@ -8,6 +8,7 @@ built file). Every command prints one JSON object.
                                                #   (arguments as JSON in $DSC_PREFLIGHT, as for the three below)
     dsc_node.pyz mesh                          # from the master, as the training user: ssh to every node, clocks
     dsc_node.pyz listen | connect              # hold / reach the master port (preflight's TCP check)
+    dsc_node.pyz iperf-server                  # a one-shot iperf3 server of ours, or who holds its port
     dsc_node.pyz write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
     dsc_node.pyz start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
                        [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
@@ -124,7 +125,7 @@ def parser():
     for option in ("--run-root", "--install-root", "--data-dir", "--train-user", "--existing-python"):
         p.add_argument(option, default="")
     p.add_argument("--slurm", action="store_true", help="also Slurm's partitions, their nodes and the queue (sinfo, squeue)")
-    for name in ("check", "mesh", "listen", "connect"):
+    for name in ("check", "mesh", "listen", "connect", "iperf-server"):
         action(name, _preflight, f"preflight's {name} (arguments as JSON in $DSC_PREFLIGHT)")
     p = action("write-run", _write_run, "stdin {files, code, code_dest}: the run's files and code")
     p.add_argument("run_dir")
@@ -199,7 +200,8 @@ def _probe(a):
 
 def _preflight(a):
     from dscnode import checks
-    run = {"check": checks.check, "mesh": checks.mesh, "listen": checks.listen, "connect": checks.connect}
+    run = {"check": checks.check, "mesh": checks.mesh, "listen": checks.listen, "connect": checks.connect,
+           "iperf-server": checks.iperf_server}
     print(json.dumps(run[a.action](json.loads(os.environ.get("DSC_PREFLIGHT", "{}")))))
 
 

@@ -13,23 +13,29 @@ import socket
 import stat as stat_mod
 from pathlib import Path
 
-from dscnode import INSTALLED_PATH
+from dscnode import INSTALLED_PATH, ROOT_PACKAGES, ROOT_STATE, WARM_RECORD
 from dscnode.procs import run
 from dscnode.records import runs
+from dscnode.rundir import LOCK_LIMIT, REFUSED, open_regular, read_json
 from dscnode.ufw import rule_files
 
 
-def sha256(path):
-    """A regular file's sha256, opened without following a link (the probe runs as root, also in
-    directories the training user writes); None for anything else."""
+def sha256(path, limit=LOCK_LIMIT):
+    """A regular file's sha256, read as open_regular allows (never through a link, never a FIFO,
+    at most `limit` bytes: the probe runs as root, also in directories the training user
+    writes); None for anything else (a refusal is in rundir.REFUSED)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open_regular(path, limit) as f:
+            h = hashlib.sha256()
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            return h.hexdigest()
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        return hashlib.sha256(f.read()).hexdigest()
+
+
+# The most files tree_digest compares (a wheelhouse holds some hundreds).
+WHEELHOUSE_FILES = 100_000
 
 
 def tree_digest(folder):
@@ -39,8 +45,12 @@ def tree_digest(folder):
     equal, the push has nothing to send."""
     if not os.path.isdir(folder) or os.path.islink(folder):
         return None
-    h = hashlib.sha256()
+    h, seen = hashlib.sha256(), 0
     for top, _dirs, files in sorted(os.walk(folder)):
+        seen += len(files)
+        if seen > WHEELHOUSE_FILES:  # not walked without end: what provision sends it again
+            REFUSED.append({"path": folder, "why": f"more than {WHEELHOUSE_FILES:,} files, not all compared"})
+            return None
         for name in sorted(files):
             st = os.lstat(os.path.join(top, name))
             if stat_mod.S_ISREG(st.st_mode):
@@ -56,28 +66,30 @@ WHEELHOUSE_DIR = "wheelhouse"
 EXT_DIR = "cache/torch_extensions"  # the JIT op cache, TORCH_EXTENSIONS_DIR
 
 
-def built_ops(ext_dir):
-    """The JIT cache's ops with a built library (<op>/<op>.so, a regular file; links neither
-    followed nor counted): what the plan weighs when it picks the node that builds for its kind."""
-    try:
-        names = sorted(os.listdir(ext_dir)) if not os.path.islink(ext_dir) else []
-    except OSError:
+# An op library the probe hashes (a CUDA op's fat binary for several architectures included).
+OP_LIMIT = 512 << 20
+
+
+def recorded_ops(ext_dir, record=WARM_RECORD):
+    """The ops the toolkit's last warm-up on this node built or loaded, as root recorded them
+    (warm.json: each op library's sha256), whose library in the JIT cache is still that one:
+    what the plan weighs when it picks the node that builds for its kind. A folder the training
+    user made there, or a library changed since, does not count."""
+    libs = (read_json(record) or {}).get("libs")
+    if not isinstance(libs, dict):
         return []
-    return [n for n in names if stat_mod.S_ISDIR(_lstat_mode(os.path.join(ext_dir, n)))
-            and stat_mod.S_ISREG(_lstat_mode(os.path.join(ext_dir, n, f"{n}.so")))]
+    return sorted(name for name, lib in libs.items()
+                  if isinstance(name, str) and "/" not in name and name not in (".", "..")
+                  and isinstance(lib, dict) and lib.get("sha256")
+                  and sha256(os.path.join(ext_dir, name, f"{name}.so"), OP_LIMIT) == lib["sha256"])
 
 
-def _lstat_mode(path):
-    try:
-        return os.lstat(path).st_mode
-    except OSError:
-        return 0
-
-
-def installed(install_root):
-    return {"lock": {kind: sha256(os.path.join(install_root, name)) for kind, name in LOCK_FILES.items()},
-            "wheelhouse": tree_digest(os.path.join(install_root, WHEELHOUSE_DIR)),
-            "ops": built_ops(os.path.join(install_root, EXT_DIR))}
+def installed(folder):
+    """What provision put into a folder it installs from (the install root's, or root's own
+    ROOT_PACKAGES for an env of root's): the node lock's two files' sha256 and the wheelhouse's
+    digest, for the plan to compare with what it would put there."""
+    return {"lock": {kind: sha256(os.path.join(folder, name)) for kind, name in LOCK_FILES.items()},
+            "wheelhouse": tree_digest(os.path.join(folder, WHEELHOUSE_DIR))}
 
 
 def ssh_host_keys(folder="/etc/ssh"):
@@ -162,22 +174,27 @@ def gpus():
 def root_paths(install_root, run_root, data_dir, home):
     """Every path that root creates, changes or writes into on a node (provision, launch; stop
     and status only read), the one list the plan checks: [{var, path, role}]. role "root": root's
-    alone (owner root, every directory above root's); "made": created by root for the training
-    user (the install root: owner root or the training user, every directory above root's);
-    "user": the training user's (written as that user; owner the training user or root)."""
+    alone (owner root, every directory above root's; "node helper" and "root state" are the
+    toolkit's fixed paths, no setting); "made": created by root for the training user (the
+    install root: where it exists, the training user's, every directory above root's); "theirs":
+    the training user's own (the run root, the dataset: where it exists, the training user's);
+    "user": inside the training user's (written as that user; owner the training user or root)."""
     install_root = install_root.rstrip("/") or "/"
     cache = f"{install_root}/cache"
     out = [{"var": "node helper", "path": os.path.dirname(INSTALLED_PATH), "role": "root"},
-           {"var": "node helper", "path": INSTALLED_PATH, "role": "root"},
-           {"var": "dsc_install_root", "path": install_root, "role": "made"}]
+           {"var": "node helper", "path": INSTALLED_PATH, "role": "root"}]
+    out += [{"var": "root state", "path": p, "role": "root"} for p in (
+        ROOT_STATE, WARM_RECORD, ROOT_PACKAGES, f"{ROOT_PACKAGES}/{WHEELHOUSE_DIR}",
+        *(f"{ROOT_PACKAGES}/{name}" for name in LOCK_FILES.values()))]
+    out.append({"var": "dsc_install_root", "path": install_root, "role": "made"})
     out += [{"var": "dsc_install_root", "path": p, "role": "user"} for p in (
         cache, f"{install_root}/{EXT_DIR}", f"{cache}/miniconda-installer.sh",
         f"{install_root}/{WHEELHOUSE_DIR}", *(f"{install_root}/{name}" for name in LOCK_FILES.values()),
         f"{install_root}/ds_report.txt")]
     if run_root:
-        out.append({"var": "dsc_run_root", "path": run_root.rstrip("/") or "/", "role": "user"})
+        out.append({"var": "dsc_run_root", "path": run_root.rstrip("/") or "/", "role": "theirs"})
     if data_dir:
-        out.append({"var": "dsc_data_dir", "path": data_dir.rstrip("/") or "/", "role": "user"})
+        out.append({"var": "dsc_data_dir", "path": data_dir.rstrip("/") or "/", "role": "theirs"})
     if home:
         out += [{"var": "dsc_train_user", "path": p, "role": "user"} for p in (
             f"{home}/.ssh", f"{home}/.ssh/authorized_keys", f"{home}/.ssh/id_ed25519",
@@ -236,14 +253,16 @@ def memory_mib():
     return None
 
 
-def slurm_partitions():
+def slurm_partitions(train_user):
     """dsc_launch_mode slurm: {"partitions": {partition: [node names]}, "jobs": {job name: [id,
     state]}} as the Slurm controller this node's client reaches lists them (sinfo, squeue), or
-    {"error": why} (either's): the plan checks the inventory's nodes against the master's, and a run's job
-    already queued, before a job is submitted."""
+    {"error": why} (either's): the plan checks the inventory's nodes against the master's, and a
+    run's job already queued, before a job is submitted. The jobs are the training user's own
+    (none before that user exists): another user's job of the same name is no run of ours."""
     rc, out, err = run(["sinfo", "--noheader", "--Node", "--format", "%N|%P"], timeout=20)
-    if rc == 0:
-        rc, queue, err = run(["squeue", "--noheader", "--format", "%j|%i|%T"], timeout=20)  # pending, running, ending
+    queue = ""
+    if rc == 0 and _user_exists(train_user):  # pending, running, ending
+        rc, queue, err = run(["squeue", "--noheader", "--user", train_user, "--format", "%j|%i|%T"], timeout=20)
     if rc != 0:
         return {"error": " ".join((err or out).split())[-300:] or f"sinfo or squeue exited with {rc}"}
     partitions = {}
@@ -259,18 +278,31 @@ def slurm_partitions():
     return {"partitions": partitions, "jobs": jobs}
 
 
+def _user_exists(name):
+    try:
+        return bool(name) and pwd.getpwnam(name) is not None
+    except KeyError:
+        return False
+
+
 def probe(run_root="", existing="", install_root="", data_dir="", train_user="", slurm=False):
-    """What the plan needs from a node; fast (no Python env, no torch) and read-only."""
+    """What the plan needs from a node; fast (no Python env, no torch) and read-only. Every file
+    it reads where another user can write is read as rundir.open_regular allows; what it refused
+    is listed in `refused_reads` ({path, why}), which the plan shows naming the node."""
     ib = Path("/sys/class/infiniband")
-    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "memory_mib": memory_mib(), "cpu": cpu_identity(), "gpus": gpus(),
-            "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
-            "runs": runs(run_root) if run_root else [],
-            "run_root_links": links(run_root) if run_root else [],
-            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(), "ssh_host_keys": ssh_host_keys(),
-            **({"existing_python": path_owners(existing)} if existing else {}),
-            **({"slurm": slurm_partitions()} if slurm else {}),
-            **({"root_paths": root_path_report(install_root, run_root, data_dir, train_user),
-                "installed": installed(install_root)} if install_root else {})}
+    out = {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "memory_mib": memory_mib(), "cpu": cpu_identity(), "gpus": gpus(),
+           "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
+           "systemd": os.path.isdir("/run/systemd/system"),  # systemd is the init (sd_booted's test)
+           "runs": runs(run_root) if run_root else [],
+           "run_root_links": links(run_root) if run_root else [],
+           "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(), "ssh_host_keys": ssh_host_keys(),
+           **({"existing_python": path_owners(existing)} if existing else {}),
+           **({"slurm": slurm_partitions(train_user)} if slurm else {}),
+           **({"root_paths": root_path_report(install_root, run_root, data_dir, train_user),
+               "installed": dict(installed(install_root), ops=recorded_ops(os.path.join(install_root, EXT_DIR))),
+               "installed_root": installed(ROOT_PACKAGES)} if install_root else {})}
+    out["refused_reads"] = list(REFUSED)
+    return out
 
 
 def path_owners(path):
@@ -279,7 +311,9 @@ def path_owners(path):
     link to its base interpreter), and of the env's lib/python3* and site-packages directories
     (what it imports). Each read with lstat (a link is reported, never followed by the read
     itself); the resolved path is read component by component as os.path.realpath gives it.
-    {"path", "entries": [{path, uid, user, mode, kind}]} or {"path", "error"}."""
+    Then everything the env imports, walked whole (foreign_inside): "inside" names the first
+    entry there that its owner does not own alone.
+    {"path", "entries": [{path, uid, user, mode, kind}], "inside"} or {"path", "error"}."""
     if not os.path.isabs(path) or "\0" in path:
         return {"path": path, "error": "not an absolute path"}
     real = os.path.realpath(path)
@@ -316,7 +350,78 @@ def path_owners(path):
                 else "file")
         entries.append({"path": p, "uid": st.st_uid, "user": user(st.st_uid),
                         "mode": oct(st.st_mode & 0o7777), "kind": kind})
-    return {"path": path, "entries": entries}
+    # What the env imports from, whole: its own prefix, and the base interpreter's where that is
+    # not the system's (a venv of /usr/bin/python3 imports the system's standard library).
+    inside = None
+    try:
+        owner = os.lstat(lexical_prefix).st_uid
+    except OSError:
+        owner = None
+    for base in dict.fromkeys((lexical_prefix, prefix)):
+        if owner is not None and not inside and (base == lexical_prefix or not _system_prefix(base)):
+            inside = foreign_inside(base, owner)
+    if inside and "uid" in inside:
+        inside["user"] = user(inside["uid"])
+    return {"path": path, "entries": entries, "inside": inside}
+
+
+def _system_prefix(path):
+    return path in ("/", "/usr", "/usr/local") or path.startswith(("/usr/lib", "/usr/share"))
+
+
+# The most entries foreign_inside walks in an env (a CUDA torch env holds some 30,000): a larger
+# tree is reported unchecked rather than walked without end.
+ENV_ENTRIES = 400_000
+
+
+def foreign_inside(prefix, owner, limit=ENV_ENTRIES):
+    """The first entry under an env's prefix (every file, directory and link, walked with lstat,
+    none followed) that whoever runs the env does not own alone: owned by a user other than the
+    env's owner (`owner`, a uid) and root, or writable by group or others (a sticky directory
+    excepted); a link whose target outside the prefix is so. Such a file is imported by every
+    process of the env, root's pip and the training user's ranks alike, and whoever can write it
+    runs code as them. {path, uid, why} or {path, why}; None when there is none."""
+    root = os.path.realpath(prefix)
+    stack, seen = [prefix], 0
+    while stack:
+        folder = stack.pop()
+        try:
+            listing = list(os.scandir(folder))
+        except OSError as e:
+            return {"path": folder, "why": f"unreadable ({e.strerror})"}
+        for e in listing:
+            seen += 1
+            if seen > limit:
+                return {"path": prefix, "why": f"a tree of more than {limit:,} entries, not all checked"}
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            found = _foreign(e.path, st, owner)
+            if found:
+                return found
+            if stat_mod.S_ISLNK(st.st_mode):
+                target = os.path.realpath(e.path)
+                if target != root and not target.startswith(root + "/"):
+                    try:
+                        found = _foreign(target, os.stat(target), owner, f"the target of {e.path}: ")
+                    except OSError:
+                        found = None
+                    if found:
+                        return found
+            elif stat_mod.S_ISDIR(st.st_mode):
+                stack.append(e.path)
+    return None
+
+
+def _foreign(path, st, owner, said=""):
+    if st.st_uid not in (0, owner):
+        return {"path": path, "uid": st.st_uid, "why": f"{said}owned by another user"}
+    mode = st.st_mode
+    if not stat_mod.S_ISLNK(mode) and mode & 0o022 and not (stat_mod.S_ISDIR(mode) and mode & 0o1000):
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
+        return {"path": path, "uid": st.st_uid, "why": f"{said}writable by {who} (mode {oct(mode & 0o7777)[2:]})"}
+    return None
 
 
 def firewalls(root="/"):
@@ -340,9 +445,17 @@ def firewalls(root="/"):
         pids = [p for p in os.listdir(root / "proc") if p.isdigit()]
     except OSError:
         pids = []
-    firewalld = any(read(f"proc/{pid}/comm").strip() == "firewalld" for pid in pids)
+    # A process named firewalld counts only where root runs it: any user can name a process so.
+    firewalld = any(read(f"proc/{pid}/comm").strip() == "firewalld" and _uid(root / "proc" / pid) == 0 for pid in pids)
     return {"os": ids, "ufw": ufw, "firewalld": firewalld, "ipv6": (root / "proc/sys/net/ipv6").is_dir(),
             "ufw_rules": rule_files(str(root / "etc" / "ufw"))}
+
+
+def _uid(path):
+    try:
+        return os.stat(path).st_uid
+    except OSError:
+        return None
 
 
 def links(run_root):

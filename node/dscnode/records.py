@@ -12,7 +12,17 @@ from pathlib import Path
 
 from dscnode import program
 from dscnode.procs import pid_alive, procs, ranks_of, started_by
-from dscnode.rundir import RunDir, entries, has_secrets, last_line, read_json, read_text
+from dscnode.rundir import (
+    HISTORY_LIMIT,
+    LINES_LIMIT,
+    RunDir,
+    entries,
+    has_secrets,
+    last_line,
+    read_json,
+    read_tail,
+    read_text,
+)
 
 
 def memory_summary(run_dir):
@@ -24,7 +34,7 @@ def memory_summary(run_dir):
     predicted = read_json(run / RunDir.MEMORY) or {}
     peaks = {}
     try:
-        for text in (run / RunDir.MEASURED).read_text().splitlines():
+        for text in read_text(run / RunDir.MEASURED, LINES_LIMIT).splitlines():
             try:
                 m = json.loads(text)
             except ValueError:
@@ -90,10 +100,9 @@ def first_error(log, offset=0):
     the first exception line (type and message, with the node that printed it), else the first
     line that looks like an error; the traceback is that node's output before it from its
     "Traceback" line, without the launcher's log lines: the header and up to 19 last lines."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(offset)
-            lines = f.read().decode(errors="replace").splitlines()
+    try:  # the attempt's output, its last 4 MiB at most
+        data, _ = read_tail(log, 4 << 20, offset)
+        lines = data.decode(errors="replace").splitlines()
     except OSError:
         return None, []
     for i, line in enumerate(lines):
@@ -122,6 +131,15 @@ def wait_for_end(run_dir, seconds, every=0.5):
         time.sleep(min(every, left))
 
 
+def _small(path):
+    """A one-line record of the run (its exit code, its restarts), stripped; None where it is
+    missing or refused."""
+    try:
+        return read_text(path, 4096).strip()
+    except OSError:
+        return None
+
+
 def status(run_dir, run_id):
     run = RunDir(run_dir)
     ps = procs(run_id)
@@ -130,7 +148,7 @@ def status(run_dir, run_id):
     # ranks, not those of another node on the same host; pdsh's come through sshd.
     own = ranks_of(started_by(ps, launcher)) if launcher else []
     ranks = len(own or ranks_of(ps))
-    code = (run / RunDir.EXIT).read_text().strip() if (run / RunDir.EXIT).exists() else None
+    code = _small(run / RunDir.EXIT)
     # A worker has no launcher of its own (pdsh starts its ranks): its ranks say it runs, and
     # the supervisor writes the exit code into every node's run directory when the run ends.
     if launcher or (ranks and code is None):
@@ -148,7 +166,7 @@ def status(run_dir, run_id):
     else:
         state = "lost"  # launcher gone without an exit code (killed with the node)
     last = last_line(run / RunDir.METRICS) or last_line(run / RunDir.PROGRESS)
-    restarts = (run / RunDir.RESTARTS).read_text().strip() if (run / RunDir.RESTARTS).exists() else "0"
+    restarts = _small(run / RunDir.RESTARTS) or "0"
     failure = read_json(run / RunDir.FAILURE)
     error, trace = None, []
     if state in ("failed", "lost"):
@@ -179,7 +197,7 @@ def op_build(run_dir, pids):
     one build of an op: it counts once."""
     started = {}
     try:
-        lines = read_text(RunDir(run_dir) / RunDir.OP_BUILDS).splitlines()
+        lines = read_text(RunDir(run_dir) / RunDir.OP_BUILDS, LINES_LIMIT).splitlines()
     except OSError:
         return None
     for text in lines:
@@ -246,7 +264,8 @@ def step_downs(run_dir):
     """preset=auto's out-of-memory steps down so far: each failed attempt's configuration and
     cause, and the configuration it stepped down to."""
     try:
-        return [json.loads(x) for x in (RunDir(run_dir) / RunDir.STEP_DOWNS).read_text().splitlines() if x.strip()]
+        return [json.loads(x) for x in read_text(RunDir(run_dir) / RunDir.STEP_DOWNS, LINES_LIMIT).splitlines()
+                if x.strip()]
     except (OSError, ValueError):
         return []
 
@@ -258,15 +277,9 @@ def log_tail(run_dir, run_id, lines=20, hosts=()):
     with the byte offset it starts at, from which follow streams; with the run's state."""
     log = RunDir(run_dir) / RunDir.LOG
     try:
-        size = log.stat().st_size
+        data, start = read_tail(log, max(65536, lines * 400 * max(1, len(hosts))))
     except OSError:
-        size = 0
-    start = max(0, size - max(65536, lines * 400 * max(1, len(hosts))))
-    data = b""
-    if size:
-        with open(log, "rb") as f:
-            f.seek(start)
-            data = f.read(size - start)
+        data, start = b"", 0
     cut = data.find(b"\n") + 1 if start else 0  # from the first whole line
     data, start = data[cut:], start + cut
     end = data.rfind(b"\n") + 1  # up to the last whole line
@@ -286,7 +299,7 @@ def history(run_dir):
     run = RunDir(run_dir)
     for name in (RunDir.METRICS, RunDir.PROGRESS):
         try:
-            return [json.loads(x) for x in (run / name).read_text().splitlines() if x.strip()]
+            return [json.loads(x) for x in read_text(run / name, HISTORY_LIMIT).splitlines() if x.strip()]
         except (OSError, ValueError):
             continue
     return []

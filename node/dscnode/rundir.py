@@ -2,6 +2,7 @@
 the run's secrets, kept beside it; writes that a reader never sees half done, and reads that never
 follow a link planted in a directory the training user writes. The entry shim imports this module
 in every rank: the standard library's lightest modules only."""
+import errno
 import json
 import os
 import stat as stat_mod
@@ -119,21 +120,88 @@ def write_secrets(run_dir, values):
     return {"ok": True, "names": sorted(values)}
 
 
-def read_text(path, limit=1 << 20):
-    """A run file's text, never through a symbolic link: root reads run directories the training
-    user writes, and a link planted there must not make it read another file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return f.read(limit).decode(errors="replace")
+# The most a file of each kind may hold before a reader refuses it (read_bytes): a record of the
+# toolkit's (launch.json, attempt.json, a pid file), a log of JSON lines read whole (memory.jsonl,
+# step_downs.jsonl, op_builds.jsonl), the steps a plot draws (metrics.jsonl), a lock of the
+# node's packages. A log read from its end (launcher.log, the last step) has no limit: only its
+# tail is read.
+RECORD_LIMIT = 1 << 20
+LINES_LIMIT = 16 << 20
+HISTORY_LIMIT = 256 << 20
+LOCK_LIMIT = 16 << 20
 
 
-def read_json(path):
+class Unreadable(OSError):
+    """A file a reader refused: a link, not a regular file (a FIFO, a device, a directory), or
+    larger than its kind may be. Its message names the path and what is wrong."""
+
+
+# What this process refused to read, in order (at most 50): [{"path", "why"}]. The probe reports
+# them, and the plan shows each with the node (the playbook goes on where it can).
+REFUSED = []
+
+
+def _refuse(path, why):
+    if len(REFUSED) < 50 and not any(r["path"] == str(path) for r in REFUSED):
+        REFUSED.append({"path": str(path), "why": why})
+    return Unreadable(f"{path}: {why}")
+
+
+def open_regular(path, limit=None):
+    """A regular file opened for reading (binary), never through a symbolic link, never blocking
+    (a FIFO or a device is refused, not waited on), at most `limit` bytes long (None: any size,
+    for a reader of its end). Root reads files the training user writes: a link planted there
+    must not make it read another file, a FIFO must not hang it, a sparse file of a terabyte must
+    not exhaust its memory. Unreadable (an OSError) when it is not so; OSError as os.open raises
+    it for a missing one."""
     try:
-        return json.loads(read_text(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _refuse(path, "a symbolic link (never followed)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat_mod.S_ISFIFO(st.st_mode) else "a directory" if stat_mod.S_ISDIR(st.st_mode)
+                    else "a device" if stat_mod.S_ISCHR(st.st_mode) or stat_mod.S_ISBLK(st.st_mode)
+                    else "a socket" if stat_mod.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise _refuse(path, f"{kind}, not a regular file (never read)")
+        if limit is not None and st.st_size > limit:
+            raise _refuse(path, f"{st.st_size:,} bytes, more than a file of its kind may hold ({limit:,})")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes(path, limit=RECORD_LIMIT):
+    """A regular file's bytes, read as open_regular allows (at most `limit`: a file that grows
+    past it while read is cut there)."""
+    with open_regular(path, limit) as f:
+        return f.read(limit)
+
+
+def read_text(path, limit=RECORD_LIMIT):
+    """A run file's text, read as open_regular allows."""
+    return read_bytes(path, limit).decode(errors="replace")
+
+
+def read_json(path, limit=RECORD_LIMIT):
+    try:
+        return json.loads(read_text(path, limit))
     except (OSError, ValueError):
         return None
+
+
+def read_tail(path, size, start=0):
+    """The last `size` bytes of a file (from byte `start` at the earliest) and the offset they
+    start at, read as open_regular allows (any length: only the tail is read)."""
+    with open_regular(path) as f:
+        end = f.seek(0, os.SEEK_END)
+        offset = max(start, end - size)
+        f.seek(offset)
+        return f.read(end - offset), offset
 
 
 def write_atomic(path, text):
@@ -166,10 +234,8 @@ def last_line(path, start=0):
     """The last JSON line of a jsonl file (train.run's metrics, any script's progress), or None;
     with `start`, only a line written past that byte offset counts."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(start, f.tell() - 65536))
-            lines = f.read().decode(errors="replace").strip().splitlines()
+        data, _ = read_tail(path, 65536, start)
+        lines = data.decode(errors="replace").strip().splitlines()
         return json.loads(lines[-1]) if lines else None
     except (OSError, ValueError):
         return None

@@ -15,6 +15,7 @@ import time
 
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
+from dscnode.safe import SHELL_SAFE, latest_glob
 from dscnode.rundir import RunDir, append_line, last_line, read_json, size_of, write_atomic
 from dscnode.stacks import at_stall
 
@@ -152,19 +153,20 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
     return code, cause, torn
 
 
-# Matched against the whole string (fullmatch; `$` would take a trailing newline, which DeepSpeed's
-# pdsh runner passes unquoted: a second command on every node).
-LATEST = re.compile(r"\{latest:(.+)\}")
-SAFE_ARG = re.compile(r"[\w@%+=:,./-]*")
-
-
 def newest(pattern, cwd="."):
     """The newest path matching the glob, by the last number in its name (checkpoint-40 after
-    checkpoint-9), then by mtime; None if nothing matches."""
+    checkpoint-9), then by mtime; None if nothing matches. Only a match inside `cwd` counts (a
+    link there that leads out of it does not), of the characters a command line takes unquoted."""
+    home = os.path.realpath(cwd)
+
+    def inside(p):
+        real = os.path.realpath(os.path.join(cwd, p))
+        return real.startswith(home + "/") and SHELL_SAFE.fullmatch(p)
+
     def key(p):
         nums = re.findall(r"\d+", os.path.basename(p.rstrip("/")))
         return (int(nums[-1]) if nums else -1, os.path.getmtime(os.path.join(cwd, p)))
-    found = [p for p in glob.glob(pattern, root_dir=cwd) if SAFE_ARG.fullmatch(p)]
+    found = [p for p in glob.glob(pattern, root_dir=cwd) if inside(p)]
     return max(found, key=key) if found else None
 
 
@@ -175,11 +177,11 @@ def resolve_latest(argv, cwd="."):
     over."""
     out = []
     for arg in argv:
-        m = LATEST.fullmatch(arg)
-        if not m:
+        pattern = latest_glob(arg)
+        if pattern is None:
             out.append(arg)
             continue
-        path = newest(m.group(1), cwd)
+        path = newest(pattern, cwd)
         if path:
             out.append(path)
         elif out and out[-1].startswith("-"):

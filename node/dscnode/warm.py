@@ -11,8 +11,8 @@ out and named in `awaits`; provision then unpacks the source's build there and w
 --build, which loads it (ninja finds nothing to do) or, where the shipped build does not fit the
 node after all, builds it.
 
-A complete answer (nothing awaited) is kept in a record (--record) with what it depends on: the ops
-asked, the GPUs nvidia-smi sees and the driver, the environment variables the build reads, the
+A complete answer (nothing awaited) comes with a record of what it depends on, which root keeps
+(dscnode.WARM_RECORD, read back with --record): the ops asked, the GPUs nvidia-smi sees and the driver, the environment variables the build reads, the
 env's installed packages (each top-level entry of site-packages and its mtime: a package
 installed, removed or reinstalled changes it) and each op library's mtime. A later warm-up that
 finds all of them unchanged answers from the record without importing torch: a provision that
@@ -26,6 +26,7 @@ import sysconfig
 
 from dscnode.entry import AfterImport, CpuInfoOnce
 from dscnode.procs import run
+from dscnode.rundir import RECORD_LIMIT, read_json
 
 
 def op_state(ext_dir, name):
@@ -84,38 +85,44 @@ def warm_key(ops, gpus_expected, driver, site_packages):
 def recorded(path, key, ext_dir):
     """The record's answer where its key is `key` and every op library it names has the mtime it
     had then; None otherwise (no record, another key, an op rebuilt, moved or removed)."""
+    record = read_json(path, RECORD_LIMIT)
     try:
-        with open(path) as f:
-            record = json.loads(f.read(4 << 20))
         out, libs = record["out"], record["libs"]
         fresh = record["key"] == key and set(libs) == set(out["ops"]) and not out["awaits"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return out if fresh and all(so_mtime(ext_dir, name) == lib["mtime"] for name, lib in libs.items()) else None
+    except (KeyError, TypeError):
         return None
-    return out if fresh and all(so_mtime(ext_dir, name) == mtime for name, mtime in libs.items()) else None
 
 
-def keep_record(path, key, ext_dir, out):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"key": key, "libs": {name: so_mtime(ext_dir, name) for name in out["ops"]}, "out": out}, f)
-    os.replace(tmp, path)
+def new_record(key, ext_dir, out):
+    """What root keeps of a complete warm-up (roles/deepspeed writes it to dscnode.WARM_RECORD,
+    where the training user, who ran the warm-up, cannot change it): its answer, what it depended
+    on, and each op library's mtime and sha256 (the probe counts an op as built by the toolkit
+    only while its library is that one)."""
+    libs = {}
+    for name in out["ops"]:
+        lib = os.path.join(ext_dir, name, f"{name}.so")
+        with open(lib, "rb") as f:
+            libs[name] = {"mtime": so_mtime(ext_dir, name), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    return {"key": key, "libs": libs, "out": out}
 
 
 def warm(ops, report, gpus_expected, build, record="", driver=""):
-    """{torch_probe, ops, built, awaits, versions, report_current, recorded}. `ops`: op builder
-    class names; `build`: build what is not fresh here (the kind's source, or after a shipment);
-    `record`: where the last complete answer is kept (answered from it when nothing it depends on
-    changed: `recorded` true, torch not imported)."""
+    """{torch_probe, ops, built, awaits, versions, report_current, recorded, record}. `ops`: op
+    builder class names; `build`: build what is not fresh here (the kind's source, or after a
+    shipment); `record`: root's record of the last complete answer (answered from it when nothing
+    it depends on changed: `recorded` true, torch not imported). A complete answer found anew
+    carries the record for root to keep (`record`; None otherwise)."""
     ext_dir = os.environ["TORCH_EXTENSIONS_DIR"]
     paths = sysconfig.get_paths()
     key = warm_key(ops, gpus_expected, driver, sorted({paths["purelib"], paths["platlib"]}))
     out = recorded(record, key, ext_dir) if record else None
     if out is not None:
-        return dict(out, built=[], report_current=kept_report_versions(report) == out["versions"], recorded=True)
+        return dict(out, built=[], report_current=kept_report_versions(report) == out["versions"],
+                    recorded=True, record=None)
     out = dict(_warm(ops, report, gpus_expected, build, ext_dir), recorded=False)
-    if record and not out["awaits"] and len(out["ops"]) == len(ops):  # every op there (torch saw the GPUs)
-        keep_record(record, key, ext_dir, out)
-    return out
+    complete = not out["awaits"] and len(out["ops"]) == len(ops)  # every op there (torch saw the GPUs)
+    return dict(out, record=new_record(key, ext_dir, out) if complete else None)
 
 
 def _warm(ops, report, gpus_expected, build, ext_dir):

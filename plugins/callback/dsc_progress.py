@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 
 from ansible.plugins.callback.default import CallbackModule as DefaultCallback
@@ -26,6 +27,19 @@ DOCUMENTATION = """
       - default_callback
       - result_format_callback
 """
+
+
+# What a terminal would obey in a rank's output or a node's record: C0 controls but the tab (ESC
+# starts colour, clipboard writes, a cleared screen), DEL, the C1 controls (0x9b is a CSI alone)
+# and the Unicode line separators.
+TERMINAL_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def shown(text):
+    """A line as the operator's terminal may print it: every control character escaped (\\x1b),
+    never obeyed; what ranks print is the training user's to choose."""
+    return TERMINAL_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                else f"\\u{ord(m.group()):04x}", str(text))
 
 
 def _duration(seconds):
@@ -109,7 +123,7 @@ class CallbackModule(DefaultCallback):
             return False
         lines, self._log_printed[key] = got
         for line in lines:
-            self._display.display(line)
+            self._display.display(shown(line))
         return True
 
     def v2_runner_retry(self, result):
@@ -119,7 +133,7 @@ class CallbackModule(DefaultCallback):
         if line is None:
             super().v2_runner_retry(result)
         else:
-            self._display.display(line)
+            self._display.display(shown(line))
 
     def v2_runner_on_ok(self, result):
         self._stream_log(result)  # the last poll's new lines, then the usual "ok"

@@ -146,6 +146,18 @@ def slurm_queue(lines, partition):
     return out
 
 
+def slurm_job(lines, user, name):
+    """The newest job squeue listed ("id|state|reason|user|name" lines, newest first) that is
+    `user`'s and named `name`: {id, state, reason, user, name}, or {}. squeue was asked for that
+    user's jobs of that name; a line of another user's or name (a stranger's job of our name) is
+    never taken, so that no launch waits on it and no stop cancels it."""
+    for line in lines or []:
+        job = dict(zip(("id", "state", "reason", "user", "name"), str(line).split("|"), strict=False))
+        if job.get("user") == user and job.get("name") == name and str(job.get("id", "")).isdigit():
+            return job
+    return {}
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -158,4 +170,5 @@ class FilterModule:
             "dsc_runs_table": runs_table,
             "dsc_stack_summary": stack_summary,
             "dsc_slurm_queue": slurm_queue,
+            "dsc_slurm_job": slurm_job,
         }

@@ -520,13 +520,17 @@ def preflight_table(rows):
     return lines
 
 
-def iperf_result(result, to, installed=True):
+def iperf_result(result, to, installed=True, server=None):
     """One iperf3 client run (the registered command result) as {to, gbps, retransmits, error}:
     a run that failed, or whose JSON lacks the totals (iperf3 reports its own errors in the
-    JSON), becomes an error text for a WARN row, never a crash."""
+    JSON), becomes an error text for a WARN row, never a crash. `server`: the peer's node helper
+    answer (iperf-server); where no server of ours listened there, nothing was measured, and its
+    error (who holds the port) is the pair's."""
     out = {"to": to, "gbps": None, "retransmits": None}
     if not installed:
         return dict(out, error="iperf3 is not installed")
+    if server is not None and not server.get("listening"):
+        return dict(out, error=str(server.get("error") or f"no iperf3 server of ours started on {to}")[:300])
     text = (result or {}).get("stdout") or ""
     try:
         data = json.loads(text) if text.strip().startswith("{") else {}

@@ -72,11 +72,14 @@ def test_a_shipped_op_loads_without_a_build_and_a_missing_one_is_awaited(tmp_pat
 
 
 def test_a_complete_answer_is_recorded_and_reused(tmp_path):
-    """The record (--record) written by a complete warm-up answers the next one, unchanged (no torch
-    imported: dscnode.warm.recorded; what voids it: tests/unit/test_node_warm.py)."""
+    """The record a complete warm-up gives (root keeps it: roles/deepspeed), read back with
+    --record, answers the next one, unchanged (no torch imported: dscnode.warm.recorded; what
+    voids it: tests/unit/test_node_warm.py). The warm-up never writes it itself."""
     op = "deepspeed_shm_comm"
     ranks_build(tmp_path, op)  # or built by the first warm-up
     first = warm(tmp_path, "--build", f"--record={tmp_path}/warm.json")
-    assert first["recorded"] is False and first["ops"] == [op] and (tmp_path / "warm.json").is_file()
+    assert first["recorded"] is False and first["ops"] == [op] and not (tmp_path / "warm.json").exists()
+    assert set(first["record"]["libs"][op]) == {"mtime", "sha256"}
+    (tmp_path / "warm.json").write_text(json.dumps(first["record"]))
     second = warm(tmp_path, "--build", f"--record={tmp_path}/warm.json")
-    assert second == dict(first, built=[], recorded=True)
+    assert second == dict(first, built=[], recorded=True, record=None)

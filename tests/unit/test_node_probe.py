@@ -5,6 +5,7 @@ listener.
 
     .venv/bin/pytest tests/unit/test_node_probe.py -q
 """
+import hashlib
 import json
 import os
 import pwd
@@ -197,20 +198,28 @@ def test_tree_digest_is_what_rsync_compares_and_never_follows_a_link(tmp_path):
 
 
 def test_the_probe_names_the_ops_built_its_cpu_and_its_ssh_host_keys(tmp_path):
-    """What the plan picks each kind's op source by (built ops, the CPU) and what the master's
-    known_hosts pins (the host keys), from real files: a link is neither followed nor counted, a
-    malformed key is left out."""
+    """What the plan picks each kind's op source by (the ops root recorded the toolkit's warm-up
+    built, the CPU) and what the master's known_hosts pins (the host keys), from real files: an op
+    folder the training user planted (not in root's record), a library changed since the record,
+    a link or a FIFO where a library was are not counted; a malformed key is left out."""
     ext = tmp_path / "torch_extensions"
-    for op, so in (("fused_adam", "fused_adam.so"), ("cpu_adam", "other.so"), ("shm", None)):
+    for op in ("fused_adam", "cpu_adam", "planted", "changed", "fifo"):
         (ext / op).mkdir(parents=True)
-        if so:
-            (ext / op / so).write_bytes(b"\x7fELF")
-    (tmp_path / "elsewhere" / "linked").mkdir(parents=True)
-    (tmp_path / "elsewhere" / "linked" / "linked.so").write_bytes(b"\x7fELF")
-    (ext / "linked").symlink_to(tmp_path / "elsewhere" / "linked")
-    (ext / "cpuinfo.json").write_text("{}")
-    assert probe.built_ops(str(ext)) == ["fused_adam"]
-    assert probe.built_ops(str(tmp_path / "missing")) == []
+        (ext / op / f"{op}.so").write_bytes(b"\x7fELF")
+    elf = hashlib.sha256(b"\x7fELF").hexdigest()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "linked.so").write_bytes(b"\x7fELF")
+    (ext / "linked").mkdir()
+    (ext / "linked" / "linked.so").symlink_to(tmp_path / "elsewhere" / "linked.so")
+    (ext / "changed" / "changed.so").write_bytes(b"\x7fELF, swapped")
+    (ext / "fifo" / "fifo.so").unlink()
+    os.mkfifo(ext / "fifo" / "fifo.so")
+    record = tmp_path / "warm.json"
+    record.write_text(json.dumps({"libs": {op: {"sha256": elf} for op in
+                                           ("fused_adam", "cpu_adam", "changed", "linked", "fifo", "../x")}}))
+    assert probe.recorded_ops(str(ext), str(record)) == ["cpu_adam", "fused_adam"]
+    assert probe.recorded_ops(str(tmp_path / "missing"), str(record)) == []
+    assert probe.recorded_ops(str(ext), str(tmp_path / "no-record.json")) == []
 
     def cpu(model, flags):
         f = tmp_path / "cpuinfo"
@@ -225,3 +234,69 @@ def test_the_probe_names_the_ops_built_its_cpu_and_its_ssh_host_keys(tmp_path):
     (ssh / "ssh_host_ed25519_key.pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIP4H root@node1\n")
     (ssh / "ssh_host_ecdsa_key.pub").write_text("ecdsa-sha2-nistp256 AAAA$(reboot)\n")
     assert probe.ssh_host_keys(str(ssh)) == ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIP4H"]
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (CI runs the suite as root)")
+
+
+@needs_root
+def test_the_probe_walks_an_existing_env_whole_and_names_what_another_user_could_change(tmp_path):
+    """dscnode.probe.foreign_inside over a real env tree: all root's passes; a package directory
+    of another user's, a file writable by group, a link to a file others may write are each named
+    (what root's pip and the ranks would import); a sticky directory and the env's own links are
+    fine."""
+    env = tmp_path / "env"
+    site = env / "lib" / "python3.11" / "site-packages"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("")
+    (env / "lib64").symlink_to("lib")
+    (env / "tmp").mkdir(mode=0o1777)
+    (env / "tmp").chmod(0o1777)
+    assert probe.foreign_inside(str(env), 0) is None
+    os.chown(site / "torch", 65534, 65534)
+    assert probe.foreign_inside(str(env), 0) == {"path": str(site / "torch"), "uid": 65534, "why": "owned by another user"}
+    assert probe.foreign_inside(str(env), 65534) is None  # the env of that user's: theirs to change
+    os.chown(site / "torch", 0, 0)
+    (site / "torch" / "__init__.py").chmod(0o664)
+    assert probe.foreign_inside(str(env), 0)["why"] == "writable by group (mode 664)"
+    (site / "torch" / "__init__.py").chmod(0o644)
+    outside = tmp_path / "elsewhere.py"
+    outside.write_text("")
+    outside.chmod(0o666)
+    (site / "zz.py").symlink_to(outside)
+    found = probe.foreign_inside(str(env), 0)
+    assert found["path"] == str(outside) and found["why"] == f"the target of {site / 'zz.py'}: writable by group and others (mode 666)"
+    assert probe.foreign_inside(str(env), 0, limit=3)["why"] == "a tree of more than 3 entries, not all checked"
+
+
+@needs_root
+def test_a_process_named_firewalld_counts_only_where_root_runs_it(tmp_path):
+    """Any user can name a process firewalld: the probe counts one only when its /proc entry is
+    root's (the plan would refuse ufw, and provision, on a stranger's say-so)."""
+    (tmp_path / "proc" / "7").mkdir(parents=True)
+    (tmp_path / "proc" / "7" / "comm").write_text("firewalld\n")
+    assert probe.firewalls(tmp_path)["firewalld"] is True
+    os.chown(tmp_path / "proc" / "7", 65534, 65534)
+    assert probe.firewalls(tmp_path)["firewalld"] is False
+
+
+def test_an_iperf3_port_someone_else_holds_is_named_not_measured():
+    """preflight's and doctor.yml's iperf3 server (checks.iperf_server): where another process
+    listens on the port, no server of ours starts and its owner is named; the pair's client is
+    then not run (dsc_iperf_result says why)."""
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(1)
+    port = squatter.getsockname()[1]
+    try:
+        me = pwd.getpwuid(os.getuid()).pw_name
+        assert {"uid": os.getuid()} == {k: v for k, v in checks.listeners(port)[0].items() if k == "uid"}
+        # our own listener, as a server of the last round ending: waited for (wait_s), then named
+        started = time.monotonic()
+        out = checks.iperf_server({"port": port, "addr": "127.0.0.1", "seconds": 5, "wait_s": 0.5})
+        assert out["listening"] is False and time.monotonic() - started >= 0.5
+        assert f"port {port} on {socket.gethostname()}: another process listens on it already; it is held by a process of {me}" in out["error"]
+    finally:
+        squatter.close()
+    assert checks.listeners(port) == []

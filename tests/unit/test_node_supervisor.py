@@ -38,6 +38,19 @@ def test_latest_checkpoint_placeholder_takes_the_highest_step_or_drops_the_optio
     assert supervisor.resolve_latest(argv, tmp_path / "nothing") == ["deepspeed", "run.py"]
 
 
+def test_latest_checkpoint_stays_inside_the_working_directory(tmp_path):
+    """A glob that climbs out ('..', an absolute one) is left as it is, and a match that is a link
+    out of the working directory is not taken (the training user's planted link)."""
+    (tmp_path / "elsewhere" / "checkpoint-999").mkdir(parents=True)
+    work = tmp_path / "work"
+    (work / "out" / "checkpoint-5").mkdir(parents=True)
+    (work / "out" / "checkpoint-900").symlink_to(tmp_path / "elsewhere" / "checkpoint-999")
+    argv = ["run.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
+    assert supervisor.resolve_latest(argv, work)[-1] == "out/checkpoint-5"
+    for outside in ("{latest:../elsewhere/*}", "{latest:/etc/*}"):
+        assert supervisor.resolve_latest(["--from", outside], work) == ["--from", outside]
+
+
 def test_latest_checkpoint_never_takes_a_name_with_a_line_end(tmp_path):
     """A checkpoint name the training user made with a newline (pdsh's runner passes arguments
     unquoted: a second command) is never chosen; a placeholder with one is not a placeholder."""

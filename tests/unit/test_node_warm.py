@@ -5,6 +5,7 @@ torch and real op builds, is tests/local/test_warm.py.
 
     .venv/bin/pytest tests/unit/test_node_warm.py -q
 """
+import hashlib
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from dscnode import warm
+from dscnode.probe import recorded_ops
 
 OPS = ["FusedAdamBuilder"]
 OUT = {"torch_probe": {"torch": "2.13.0+cpu", "cuda_build": None, "cuda_available": False, "gpus": 0},
@@ -30,8 +32,13 @@ def node(tmp_path, monkeypatch):
     for name in warm.BUILD_ENV[1:]:
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "ds_report.txt").write_text(f"# versions: {json.dumps(OUT['versions'])}\nreport\n")
-    warm.keep_record(tmp_path / "warm.json", key(), str(ext), OUT)
+    keep(tmp_path / "warm.json", key(), str(ext), OUT)
     return tmp_path
+
+
+def keep(path, key, ext, out):
+    """Root's copy of a warm-up's record (roles/deepspeed writes it from the answer's `record`)."""
+    path.write_text(json.dumps(warm.new_record(key, ext, out)))
 
 
 def key(**changes):
@@ -48,7 +55,7 @@ def again(node, ops=OPS, gpus=0, driver=""):
 def test_an_unchanged_node_is_answered_from_the_record_without_torch(node):
     imported = "torch" in sys.modules
     out = again(node)
-    assert out == dict(OUT, built=[], report_current=True, recorded=True)
+    assert out == dict(OUT, built=[], report_current=True, recorded=True, record=None)
     assert ("torch" in sys.modules) == imported
 
 
@@ -95,7 +102,15 @@ def test_a_broken_or_foreign_record_is_ignored(node, text):
     assert warm.recorded(node / "warm.json", key(), str(node / "ext")) is None
 
 
+def test_the_record_names_each_library_by_its_sha256(node):
+    """What the probe counts as the toolkit's build (dscnode.probe.recorded_ops) is the library
+    whose sha256 root kept from the warm-up."""
+    rec = json.loads((node / "warm.json").read_text())
+    assert rec["libs"]["fused_adam"]["sha256"] == hashlib.sha256(b"\x7fELF").hexdigest()
+    assert recorded_ops(str(node / "ext"), str(node / "warm.json")) == ["fused_adam"]
+
+
 def test_an_answer_that_awaited_an_op_is_not_reused(node):
     ext = str(node / "ext")
-    warm.keep_record(node / "warm.json", key(), ext, dict(OUT, awaits=["fused_adam"]))
+    keep(node / "warm.json", key(), ext, dict(OUT, awaits=["fused_adam"]))
     assert warm.recorded(node / "warm.json", key(), ext) is None

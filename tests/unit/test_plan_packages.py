@@ -4,12 +4,14 @@ archives), and the pip sources (a plain-HTTP index only with a lock).
 
     .venv/bin/pytest tests/unit/test_plan_packages.py -q
 """
+import hashlib
+import json
 import os
 
 import pytest
 
 import dscplan
-from dscnode.probe import installed
+from dscnode.probe import installed, recorded_ops
 from tests.unit.plan_helpers import DEFAULTS, PATHS, cluster, plan
 
 
@@ -159,31 +161,40 @@ def test_a_node_holding_the_lock_and_the_wheelhouse_is_sent_neither(tmp_path):
 def test_each_kind_of_node_builds_its_ops_once_on_the_node_that_has_most_of_them(tmp_path):
     """The plan's node[].ops_kind and ops_source (roles/deepspeed ships the source's build to the
     others of its kind): the kind follows the CPU (the probe's digest of it) and the GPUs' compute
-    capability; the source is the node of its kind with the most ops built (the probe's
-    `installed.ops`, read from real folders here), the first in rank order on a tie."""
-    root = tmp_path / "node"
+    capability; the master is its own kind's source, whatever the others hold; another kind's is
+    its node with the most ops the toolkit's warm-up built (the probe's `installed.ops`, read from
+    real folders and a record here), the first in rank order on a tie."""
+    ext = tmp_path / "node" / "cache" / "torch_extensions"
+    libs = {}
     for op in ("fused_adam", "cpu_adam"):
-        (root / "cache" / "torch_extensions" / op).mkdir(parents=True)
-        (root / "cache" / "torch_extensions" / op / f"{op}.so").write_bytes(b"\x7fELF")
+        (ext / op).mkdir(parents=True)
+        (ext / op / f"{op}.so").write_bytes(b"\x7fELF")
+        libs[op] = {"sha256": hashlib.sha256(b"\x7fELF").hexdigest()}
+    (tmp_path / "warm.json").write_text(json.dumps({"libs": libs}))
+    ops = recorded_ops(str(ext), str(tmp_path / "warm.json"))
+    assert ops == ["cpu_adam", "fused_adam"]
 
     def kinds(cpus, caps=("9.0",) * 4, built=()):
         hostvars, groups, probes = cluster(n=len(cpus))
         for i, (name, p) in enumerate(probes.items()):
             p.update(cpu=cpus[i], gpus=[{"index": "0", "compute_cap": caps[i], "driver": "580.1"}],
-                     installed={"ops": installed(str(root))["ops"] if name in built else []})
+                     installed={"ops": ops if name in built else []})
         p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
         assert errors == []
         return [(p["node"][n]["ops_kind"], p["node"][n]["ops_source"]) for n in groups["cluster"]]
 
     same = kinds(["a"] * 4)
     assert len({k for k, _ in same}) == 1 and {s for _, s in same} == {"node1"}
-    # node3 has them built: it builds (loads) and ships to the others
-    assert {s for _, s in kinds(["a"] * 4, built=("node3",))} == {"node3"}
+    # node3 has them built, the master none: the master builds all the same, for its kind
+    assert {s for _, s in kinds(["a"] * 4, built=("node3",))} == {"node1"}
     # another CPU, or another GPU arch: a kind of its own, its own source
     two = kinds(["a", "b", "a", "b"])
     assert two[0][0] != two[1][0] and [s for _, s in two] == ["node1", "node2", "node1", "node2"]
     arch = kinds(["a"] * 4, caps=("9.0", "9.0", "8.0", "8.0"))
     assert [s for _, s in arch] == ["node1", "node1", "node3", "node3"]
+    # in a kind without the master, the node whose warm-up built the most ships
+    arch = kinds(["a"] * 4, caps=("9.0", "8.0", "8.0", "8.0"), built=("node4",))
+    assert [s for _, s in arch] == ["node1", "node4", "node4", "node4"]
     # versions are part of the kind: the same nodes with another DeepSpeed make other kinds
     hostvars, groups, probes = cluster(n=1, dsc_deepspeed_version="0.19.7")
     p, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")

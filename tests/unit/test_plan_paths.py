@@ -155,9 +155,17 @@ def test_clean_root_paths_pass():
       "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/dstrain", "dir", "dstrain"),
                      ("/home/dstrain/.ssh", "link", "dstrain", "/root/.ssh"))},
      ["dsc_train_user on host node1", "/home/dstrain/.ssh is a link to /root/.ssh"]),
-    ({"var": "dsc_run_root", "path": "/srv/runs", "role": "user",
+    ({"var": "dsc_run_root", "path": "/srv/runs", "role": "theirs",
       "chain": chain(("/", "dir", "root"), ("/srv", "dir", "root"), ("/srv/runs", "dir", "alice"))},
-     ["dsc_run_root on host node1", "/srv/runs is owned by alice, not dstrain or root", "Fix: point dsc_run_root"]),
+     ["dsc_run_root on host node1", "it exists and is owned by alice, not dstrain", "Fix: point dsc_run_root"]),
+    ({"var": "dsc_install_root", "path": "/opt/dscluster/ds_report.txt", "role": "user",
+      "chain": chain(("/", "dir", "root"), ("/opt", "dir", "root"), ("/opt/dscluster", "dir", "dstrain"),
+                     ("/opt/dscluster/ds_report.txt", "file", "alice"))},
+     ["/opt/dscluster/ds_report.txt is owned by alice, not dstrain or root"]),
+    ({"var": "root state", "path": "/var/lib/dscluster/packages", "role": "root",
+      "chain": chain(("/", "dir", "root"), ("/var", "dir", "root"), ("/var/lib", "dir", "root"),
+                     ("/var/lib/dscluster", "dir", "root"), ("/var/lib/dscluster/packages", "dir", "dstrain"))},
+     ["root state on host node1: /var/lib/dscluster/packages is owned by dstrain, not root"]),
     ({"var": "dsc_install_root", "path": "/home/dstrain/dsc", "role": "made",
       "chain": chain(("/", "dir", "root"), ("/home", "dir", "root"), ("/home/dstrain", "dir", "dstrain"),
                      ("/home/dstrain/dsc", "missing", ""))},
@@ -192,3 +200,57 @@ def test_the_data_dir_is_checked_at_launch_only_and_never_on_the_control_node_it
     p, errors = plan_with_paths(root_paths(data), full_run=True, dsc_data_dir="/home/alice/data",
                                 ansible_connection="local")
     assert not any("dsc_data_dir" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("var,path", [
+    ("dsc_install_root", "/var/lib/dpkg"), ("dsc_install_root", "/var/lib/apt/lists"), ("dsc_install_root", "/var/cache/apt"),
+    ("dsc_install_root", "/var/spool/cron"), ("dsc_install_root", "/snap"), ("dsc_install_root", "/opt/containerd"),
+    ("dsc_run_root", "/var/lib/dpkg"),
+])
+def test_an_existing_directory_the_toolkit_did_not_make_is_refused_as_a_root(var, path):
+    """A system subdirectory (dpkg's, whose maintainer scripts root runs at the next upgrade) as
+    the install root or run root: it exists and is root's, so the toolkit did not make it (it
+    makes its own the training user's), and provision would give it away. Refused before any
+    change; a directory of the training user's, or one that does not exist yet, passes."""
+    parts = path.split("/")[1:]
+    links = [("/", "dir", "root")] + [("/" + "/".join(parts[:i + 1]), "dir", "root") for i in range(len(parts))]
+    role = "made" if var == "dsc_install_root" else "theirs"
+    p, errors = plan_with_paths(root_paths({"var": var, "path": path, "role": role, "chain": chain(*links)}))
+    assert p is None and len(errors) == 1, errors
+    assert f"{var} on host node1: root writes {path}, and it exists and is owned by root, not dstrain" in errors[0]
+    assert "a system directory given to the training user" in errors[0] and "nothing was changed" in errors[0]
+    theirs = links[:-1] + [(path, "dir", "dstrain")]
+    assert plan_with_paths(root_paths({"var": var, "path": path, "role": role, "chain": chain(*theirs)}))[1] == []
+    new = links[:-1] + [(path, "missing", "")]
+    assert plan_with_paths(root_paths({"var": var, "path": path, "role": role, "chain": chain(*new)}))[1] == []
+
+
+def test_an_existing_env_with_a_package_of_another_users_inside_is_refused():
+    """What the probe found walking the env (dscnode.probe.foreign_inside): a site-packages/torch
+    of another user's, which root's pip and every rank would import."""
+    py = "/opt/torch/.venv/bin/python"
+    torch = "/opt/torch/.venv/lib/python3.11/site-packages/torch"
+    report = dict(owned(py), inside={"path": torch, "uid": 1002, "user": "alice", "why": "owned by another user"})
+    p, errors = existing_plan([report, owned(py)])
+    assert p is None and any(f"node1 is '{py}': {torch} is owned by another user (alice)" in e
+                             and "Fix: make everything the env imports root's" in e for e in errors), errors
+
+
+def test_pip_into_an_env_of_roots_installs_from_roots_own_folder():
+    """An existing env of root's with dsc_existing_install: the lock and the wheelhouse go to
+    root's own folder (dscnode.ROOT_PACKAGES), written by root, never the training user's install
+    root; the training user's own env installs from the install root as before."""
+    py = "/opt/torch/.venv/bin/python"
+    hostvars, groups, probes = cluster(2, dsc_env_manager="existing", dsc_existing_python=py,
+                                       dsc_existing_install=True)
+    for pr in probes.values():
+        pr["existing_python"] = owned(py)
+        pr["installed"] = {"lock": {}, "wheelhouse": "users-copy"}
+        pr["installed_root"] = {"lock": {}, "wheelhouse": None}
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert errors == [] and p["env_owner"] == "root"
+    assert (p["packages_dir"], p["packages_owner"]) == ("/var/lib/dscluster/packages", "root")
+    assert p["node_wheelhouse"] == "/var/lib/dscluster/packages/wheelhouse"
+    assert "TORCH_EXTENSIONS_DIR" not in p["pip_env"] and "TRITON_CACHE_DIR" not in p["pip_env"]
+    p, errors = plan()
+    assert errors == [] and (p["packages_dir"], p["packages_owner"]) == ("/opt/dscluster", "dstrain")

@@ -137,6 +137,11 @@ def test_latest_checkpoint_placeholder_only_in_resume_args():
     assert any("dsc_entry_args holds '{latest:out/checkpoint-*}'" in e for e in errors), errors
     p, errors = plan(options={"dsc_resume_args": ["{latest:$(id)}"]}, full_run=True)
     assert any("dsc_resume_args holds '{latest:$(id)}'" in e for e in errors), errors
+    # relative globs inside the run's working directory only
+    for outside in ("{latest:../../*}", "{latest:/etc/*}", "{latest:out/../../x*}"):
+        p, errors = plan(options={"dsc_resume_args": ["--resume_from_checkpoint", outside]}, full_run=True)
+        assert any(f"dsc_resume_args holds '{outside}'. Fix: {{latest:GLOB}} with a glob relative" in e
+                   for e in errors), errors
 
 
 def test_plot_runs_must_be_runs_on_the_master():
@@ -267,6 +272,24 @@ def test_resume_reuses_the_runs_launch_spec(tmp_path):
                                            "--epochs", "2", "--resume"]
     more, errors = plan(options={"resume": True, "dsc_entry_args": ["--epochs", "3"]}, full_run=True, runs=runs)
     assert more["run"]["commands"]["node1"][-3:] == ["--epochs", "3", "--resume"]  # given explicitly: wins
+
+
+def test_resume_checks_the_runs_launch_record_as_typed_and_reads_no_file_it_names(tmp_path):
+    """launch.json is read back from the master, where the training user writes: a Jinja template
+    or a control character in it is refused as in an -e value, and the ds_config file it names on
+    the control node is not read (the run keeps its own ds_config.json)."""
+    secret = tmp_path / "operators-file.json"
+    secret.write_text("not json: the plan must not read it")
+    spec = {"preset": "zero2", "dsc_ds_config_mode": "file", "dsc_ds_config_file": str(secret)}
+    runs = [{"id": "r1", "mtime": 1, "started": True, "active": False, "launch": spec}]
+    p, errors = plan(options={"resume": True, "run_id": "r1"}, full_run=True, runs=runs)
+    assert errors == [] and p["run"]["ds_config"] is None, errors
+    for forged, needle in (({"dsc_entry_args": ["{{ lookup('pipe', 'id') }}"]}, "dsc_entry_args[0] in run 'r1'"),
+                           ({"dsc_entry_module": "train.run\n"}, "dsc_entry_module in run 'r1'")):
+        runs = [{"id": "r1", "mtime": 1, "started": True, "active": False, "launch": dict(spec, **forged)}]
+        p, errors = plan(options={"resume": True, "run_id": "r1"}, full_run=True, runs=runs)
+        assert p is None and any(needle in e and "launch.json on the master holds" in e and "Fix:" in e
+                                 for e in errors), errors
 
 
 def secrets_run(names, on=("node1", "node2")):

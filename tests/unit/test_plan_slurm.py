@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 import dscplan
+from plugins.filter.cluster import slurm_job
 from tests.unit.plan_helpers import DEFAULTS, PATHS, cluster, plan, probe
 
 
@@ -187,3 +188,30 @@ def test_slurm_mode_refusals():
         probes[h] = probe(hostvars[h]["dsc_addr"], gpus=4)
     p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {}, full_run=True)
     assert errors == [] and "#SBATCH --gres=gpu:4" in p["run"]["files"]["slurm.sbatch"]
+
+
+def test_installing_slurm_on_a_node_without_systemd_is_refused_naming_it():
+    """roles/slurm runs munge, slurmctld and slurmd as systemd services: a node whose probe saw no
+    systemd is refused before any change, not halfway through provision."""
+    hostvars, groups, probes = cluster(2, dsc_slurm_install=True)
+    probes["node1"]["systemd"], probes["node2"]["systemd"] = True, False
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)
+    assert p is None and len(errors) == 1 and errors[0].startswith(
+        "dsc_slurm_install on host node2 is true, but systemd does not run there") and "Fix:" in errors[0]
+    probes["node2"]["systemd"] = True
+    assert dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS)[1] == []
+
+
+def test_a_strangers_job_of_the_runs_name_is_neither_waited_for_nor_cancelled():
+    """The run's job is the training user's own of its name (plugins/filter/cluster.slurm_job over
+    squeue's lines, newest first); and the probe lists the training user's jobs only, so a job
+    another user named dsc-<run id> does not block the launch."""
+    lines = ["41|RUNNING|None|eve|dsc-r1", "40|PENDING|Priority|dstrain|dsc-r1", "39|RUNNING|None|dstrain|dsc-r2"]
+    assert slurm_job(lines, "dstrain", "dsc-r1") == {"id": "40", "state": "PENDING", "reason": "Priority",
+                                                     "user": "dstrain", "name": "dsc-r1"}
+    assert slurm_job(lines[:1], "dstrain", "dsc-r1") == {} and slurm_job([], "dstrain", "dsc-r1") == {}
+    hostvars, groups, probes = cluster(2, dsc_launch_mode="slurm")
+    probes["node1"]["slurm"]["jobs"] = {}  # squeue --user dstrain: eve's dsc-r1 is not listed
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"run_id": "r1"},
+                                  now="20261130-000000", full_run=True)
+    assert errors == [], errors

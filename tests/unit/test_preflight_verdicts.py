@@ -291,3 +291,20 @@ def test_slurm_queue_numbers_the_pending_jobs_in_slurms_order():
                      "  running: job 7 dsc-a (dstrain)",
                      "  1. job 9 dsc-c (bob), waiting for Priority",
                      "  2. job 8 dsc-b (dstrain), waiting for Resources"]
+
+
+def test_a_pair_whose_server_did_not_start_is_not_measured_and_says_who_holds_the_port():
+    held = {"listening": False, "error": "port 5201 on node2: another process listens on it already; "
+                                         "it is held by a process of eve. Fix: end that process"}
+    out = preflight.iperf_result({"skipped": True}, "node2", True, held)
+    assert out["gbps"] is None and out["error"].startswith("port 5201 on node2") and "eve" in out["error"]
+    ran = {"rc": 0, "stdout": json.dumps({"end": {"sum_received": {"bits_per_second": 2e9}, "sum_sent": {}}})}
+    assert preflight.iperf_result(ran, "node2", True, {"listening": True, "pid": 7})["gbps"] == 2.0
+
+
+def test_what_ranks_print_is_shown_with_control_sequences_escaped():
+    """logs.yml -e follow=true and follow's progress lines print what the training user's ranks
+    wrote: an OSC 52 clipboard write, a screen clear or a C1 CSI is shown escaped, never obeyed."""
+    cb = progress_callback()
+    assert cb.shown("loss 1.0\x1b]52;c;ZXZpbA==\x07\x1b[2J\x9b31m\u2028end\tx") == \
+        "loss 1.0\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J\\x9b31m\\u2028end\tx"

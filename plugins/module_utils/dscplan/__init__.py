@@ -27,7 +27,7 @@ import os
 import posixpath
 from dataclasses import asdict
 
-from dscnode import INSTALLED_PATH
+from dscnode import INSTALLED_PATH, ROOT_PACKAGES, ROOT_STATE, WARM_RECORD
 from dscnode.entry import NODE_ENV_PREFIX
 from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 
@@ -77,7 +77,14 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 def _check_nodes(nodes, s, hostvars, probes, full_run, problems):
     """Each reachable node's own refusals: the paths root would write into, and a dsc_addr no
-    interface there holds; marks the control node itself as "local"."""
+    interface there holds; marks the control node itself as "local". Notes the files its probe
+    refused to read (the playbook goes on without them)."""
+    for node in nodes:
+        for refused in (probes.get(node["name"]) or {}).get("refused_reads") or []:
+            problems.note(f"host {node['name']}: {refused.get('path')} was left unread: {refused.get('why')}. "
+                          f"Root reads only regular files of their kind's size there, never through a link, "
+                          f"and what needs the file goes on without it. Fix: remove it, or ask who put "
+                          f"it there (the directory is the training user's).")
     for node in nodes:
         # The control node itself (a local connection, the one-node default): dsc_data_dir there is
         # the source, never created, changed or synced (launch skips it on this node).
@@ -154,7 +161,8 @@ def _node_and_rank_env(s, nodes, prefix, install_root, secrets):
     return accelerator, caps, node_env, rank_env
 
 
-def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements, data, lock):
+def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements, data, lock,
+                  notes):
     """The Plan of valid settings and nodes, without its run (make_plan adds it)."""
     helper_src, helper_sha256 = node_helper(paths["repo"])
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
@@ -162,10 +170,18 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
     cache_dir = f"{install_root}/cache"
     accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, install_root, secrets)
     manager = s["dsc_env_manager"]
-    wheelhouse, node_wheelhouse = str(s["dsc_wheelhouse"] or ""), f"{install_root}/{WHEELHOUSE_DIR}"
+    train_user = str(s["dsc_train_user"])
+    env_owner = env_owner if manager == "existing" else train_user
+    install_packages = manager != "existing" or as_bool(s["dsc_existing_install"])
+    # Where pip installs from (the lock, the wheelhouse): the install root where the training user
+    # installs into an env of theirs; root's own folder where root (or another user) does, so that
+    # nothing the training user can write is installed.
+    root_packages = install_packages and env_owner != train_user
+    packages_dir = ROOT_PACKAGES if root_packages else install_root
+    wheelhouse, node_wheelhouse = str(s["dsc_wheelhouse"] or ""), f"{packages_dir}/{WHEELHOUSE_DIR}"
     wheelhouse_digest = tree_digest(wheelhouse) if wheelhouse else None
     for n in nodes:
-        n.update(already_there(probes.get(n["name"]), lock, wheelhouse_digest))
+        n.update(already_there(probes.get(n["name"]), lock, wheelhouse_digest, root_packages))
     op_sources(nodes, probes, [accelerator, prefix, str(s["dsc_python_version"]), str(s["dsc_torch_version"]),
                                str(s["dsc_torch_variant"]), str(s["dsc_deepspeed_version"]), node_env.get("TORCH_CUDA_ARCH_LIST", "")])
     return Plan(
@@ -181,12 +197,14 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         cache_dir=cache_dir, torch_extensions_dir=node_env["TORCH_EXTENSIONS_DIR"],
         env_prefix=prefix, python=python, py_spy=posixpath.join(posixpath.dirname(python), "py-spy"),
         pip="" if manager == "existing" else f"{prefix}/bin/pip",
-        # An existing interpreter runs only as its one owner, or root when it is root's alone
-        # (existing_owner).
-        env_owner=env_owner if manager == "existing" else str(s["dsc_train_user"]),
-        install_packages=manager != "existing" or as_bool(s["dsc_existing_install"]),
+        # pip into an existing env runs as its one owner, or root when it is root's alone
+        # (existing_owner); whatever else runs the env runs as the training user.
+        env_owner=env_owner,
+        install_packages=install_packages,
+        packages_dir=packages_dir, packages_owner="root" if root_packages else train_user,
+        root_state=ROOT_STATE, warm_record=WARM_RECORD,
         manage_packages=as_bool(s["dsc_manage_packages"]),
-        train_user=str(s["dsc_train_user"]),
+        train_user=train_user,
         python_version=str(s["dsc_python_version"]),
         torch_version=str(s["dsc_torch_version"]),
         torch_variant=str(s["dsc_torch_variant"]),
@@ -208,8 +226,11 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         firewall=as_bool(s["cluster_network_firewall"]),
         ssh_sources=s["cluster_network_ssh_sources"],
         node_env=node_env, rank_env=rank_env,
+        # pip's (root's, for an env of root's): no cache of the training user's
+        pip_env={k: v for k, v in node_env.items() if k not in ("TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR")},
         helper=INSTALLED_PATH, helper_src=helper_src, helper_sha256=helper_sha256,
         runs=(probes.get(nodes[0]["name"]) or {}).get("runs") or [],
+        notes=notes,
         run=None,
     )
 
@@ -241,7 +262,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     secrets = secret_names(hostvars, names, problems)
     nodes = _nodes(names, hostvars, defaults, probes, problems, probe_errors or {})
     _firewall_backends(nodes, probes, s, firewall, problems)
-    slurm_problems(s, nodes, f"on host {names[0]}", problems)
+    slurm_problems(s, nodes, probes, f"on host {names[0]}", problems)
     _check_nodes(nodes, s, hostvars, probes, full_run, problems)
     env_owner = _existing_env_owner(s, nodes, probes, problems)
     if problems.messages:
@@ -257,7 +278,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         return None, problems.messages
 
     plan = _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements,
-                         data, lock)
+                         data, lock, problems.notes)
     options = options or {}
     if full_run:
         plan.run = _run(asdict(plan), s, options, defaults, paths, problems, plan.runs, now,

@@ -52,7 +52,16 @@ def existing_owner(node, py, report):
                       f"one user owns it to run it as, and root would run what they can change. "
                       f"Fix: make the env and the directories above it root's (not writable by "
                       f"group or others), or one user's: it then runs only as that user.")
-    return (users[0] if users else "root"), None
+    owner = users[0] if users else "root"
+    inside = report.get("inside")
+    if inside:
+        who = f" ({inside['user']})" if inside.get("user") else ""
+        return None, (f"{where}: {inside['path']} is {inside['why']}{who}, inside what the env "
+                      f"imports: root's pip and every rank import it, and whoever can write it would "
+                      f"run code as them. Fix: make everything the env imports {owner}'s and not "
+                      f"writable by group or others (chown -R {owner}: and chmod -R go-w that path), "
+                      f"or use an env of the training user's (dsc_env_manager venv); nothing was changed.")
+    return owner, None
 
 
 def read_requirements(s, where, problems):
@@ -168,12 +177,13 @@ def lock_texts(lock):
     return {kind: "\n".join(lock[kind]) + "\n" for kind in LOCK_FILES} if lock else {}
 
 
-def already_there(probe, lock, wheelhouse_digest):
+def already_there(probe, lock, wheelhouse_digest, root_packages=False):
     """{lock_current, wheelhouse_current}: whether a node holds the lock's files and the
-    wheelhouse's copy exactly as provision would put them there (the probe's `installed`,
-    dscnode.probe), so that provision sends neither (roles/pytorch). `wheelhouse_digest`:
-    dscnode.probe.tree_digest of dsc_wheelhouse on the control node, None without one."""
-    have = (probe or {}).get("installed") or {}
+    wheelhouse's copy exactly as provision would put them there (the probe's `installed`, or
+    `installed_root` for root's own folder, dscnode.probe), so that provision sends neither
+    (roles/pytorch). `wheelhouse_digest`: dscnode.probe.tree_digest of dsc_wheelhouse on the
+    control node, None without one."""
+    have = (probe or {}).get("installed_root" if root_packages else "installed") or {}
     texts = lock_texts(lock)
     lock_current = bool(lock) and all(
         (have.get("lock") or {}).get(kind) == hashlib.sha256(texts[kind].encode()).hexdigest() for kind in LOCK_FILES)
@@ -184,16 +194,21 @@ def already_there(probe, lock, wheelhouse_digest):
 def op_sources(nodes, probes, build):
     """Each node's ops_kind (what DeepSpeed's JIT-built ops depend on: the CPU, the GPUs' compute
     capabilities and `build`, the env and versions every node shares) and ops_source: the node of
-    its kind that builds them (the first with the most already built) and ships them to the
-    others (roles/deepspeed), so that no node compiles what another has built."""
+    its kind that builds them and ships them to the others (roles/deepspeed), so that no node
+    compiles what another has built. The master is always its own kind's source: it never loads
+    a build another node's training user could have changed (the master's holds the cluster key).
+    For another kind, the first node in rank order with the most ops the toolkit's own warm-up
+    built there (the probe's `installed.ops`: those whose library root recorded, unchanged; a
+    folder the training user planted does not count)."""
     kinds = {}
     for n in nodes:
         probe = probes.get(n["name"]) or {}
         identity = [probe.get("cpu") or n["name"], ",".join(sorted(n["compute_caps"])), *build]
         n["ops_kind"] = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:12]
-        kinds.setdefault(n["ops_kind"], []).append((-len((probe.get("installed") or {}).get("ops") or []), n["name"]))
+        built = len((probe.get("installed") or {}).get("ops") or [])
+        kinds.setdefault(n["ops_kind"], []).append((n["rank"] != 0, -built, n["rank"], n["name"]))
     for n in nodes:
-        n["ops_source"] = min(kinds[n["ops_kind"]])[1]
+        n["ops_source"] = min(kinds[n["ops_kind"]])[-1]
 
 
 def _lock(s, texts, where, problems, check_dir):

@@ -5,14 +5,20 @@ import re
 
 
 class Problems:
-    """Error messages, in order, each once."""
+    """Error messages, in order, each once; and notes: what the plan saw and worked around, said
+    to the operator while the playbook goes on."""
 
     def __init__(self):
         self.messages = []
+        self.notes = []
 
     def add(self, message):
         if message not in self.messages:
             self.messages.append(message)
+
+    def note(self, message):
+        if message not in self.notes:
+            self.notes.append(message)
 
 
 def shown(value):

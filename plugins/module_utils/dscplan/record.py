@@ -31,8 +31,12 @@ class Plan:
     python: str  # the env's interpreter
     py_spy: str  # the env's py-spy beside it (dsc_py_spy_version): reads the ranks' stacks at a stall and for status.yml -e stacks=true
     pip: str  # the env's pip script; empty for an existing interpreter, which may have none: pip tasks use its module
-    env_owner: str  # who runs pip in the env (and owns it)
+    env_owner: str  # who runs pip in the env (and owns it); anything else runs the env as train_user
     install_packages: bool  # torch and DeepSpeed installed into the env (an existing one: dsc_existing_install)
+    packages_dir: str  # where pip installs from (the lock's files, the wheelhouse): the install root, or root's own folder for an env of root's
+    packages_owner: str  # who writes packages_dir: the training user, or root
+    root_state: str  # root's own directory on every node (dscnode.ROOT_STATE)
+    warm_record: str  # root's record of the last op warm-up (dscnode.WARM_RECORD)
     manage_packages: bool  # the OS packages installed (base_packages)
     train_user: str
     python_version: str
@@ -64,10 +68,12 @@ class Plan:
     ssh_sources: list[str]  # cluster_network_ssh_sources
     node_env: dict[str, str]  # the environment of every DeepSpeed process on a node (op builds, probes)
     rank_env: dict[str, str]  # the ranks' environment (.deepspeed_env)
+    pip_env: dict[str, str]  # pip's environment (builds of source packages): node_env without the training user's caches
     helper: str  # the node helper's path on the nodes
     helper_src: str  # the built node helper on the control node (node_helper)
     helper_sha256: str
     runs: list[dict]  # the runs under run_root on the master, newest first (its probe)
+    notes: list[str]  # what the plan saw and worked around (a file a probe left unread), said before the playbook goes on
     run: dict | None  # launch, resume, preflight: the run to start (_run); None for the other playbooks
 
 

@@ -9,12 +9,13 @@ import re
 from pathlib import Path
 
 from dscnode.rundir import SECRETS_DIR, RunDir
+from dscnode.safe import SHELL_SAFE, latest_glob
 
 from .auto import _auto_preset, _memory_record, _step_down
 from .deepspeed_config import _run_sections, batch, compose_config, precision, presets, read_user_config
 from .problems import is_int
 from .rendered import _rendered, code_archive
-from .settings import DS_ENV_SAFE, RUN_OPTIONS, _abs_path, as_bool
+from .settings import JSON_ONLY, RUN_OPTIONS, _abs_path, _control_paths, as_bool, templates_in
 from .slurm import batch_files
 
 CONFIG_MODES = ("preset", "file", "hf", "none")
@@ -45,13 +46,10 @@ LAUNCH_ONLY = (
 # (hostfile, include, ports, node rank, ssh) are the plan's.
 LAUNCHER_OPTIONS = {"--bind_cores_to_rank": False, "--bind_core_list": True, "--no_local_rank": False,
                     "--enable_each_rank_log": True}
-# A resume argument the node helper replaces with the newest path matching the glob, relative to
-# the run's working directory (dropped, with the option before it, while there is none).
-LATEST = re.compile(r"\{latest:[\w@%+=:,./*?-]+\}")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def _run_options(options, defaults, runs_seen):
+def _run_options(options, defaults, runs_seen, problems):
     """The run options: given ones, else the resumed run's launch spec, else the defaults."""
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
     opt = {k: (defaults.get(k) if v is None else v) for k, v in opt.items()}
@@ -60,9 +58,26 @@ def _run_options(options, defaults, runs_seen):
         # only a launch applies (its files keep the run's own: _refused_on_resume)
         wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
         spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
-        opt.update({k: v for k, v in spec.items()
-                    if k in LAUNCH_SPEC and (k not in options or k in LAUNCH_ONLY)})
+        spec = {k: v for k, v in spec.items() if k in LAUNCH_SPEC} if isinstance(spec, dict) else {}
+        _recorded_spec_problems(spec, wanted, problems)
+        opt.update({k: v for k, v in spec.items() if k not in options or k in LAUNCH_ONLY})
     return opt
+
+
+def _recorded_spec_problems(spec, run_id, problems):
+    """A resumed run's launch spec (its launch.json, read back from the master, where the training
+    user can write it) is checked as if the operator had typed it: a control character or a
+    Jinja template in a value is refused, as in an -e value; the rest of its checks are the run
+    options' own. A resume reads no file of the control node that the record names (the
+    ds_config file, the code: the run keeps its own)."""
+    where = f"run {run_id!r}'s launch.json on the master"
+    for var, value in spec.items():
+        found = ([] if var in JSON_ONLY else _control_paths(value, var)) + [(p, None) for p in templates_in(value, var)]
+        for path, char in found:
+            what = f"a control character ({char!r})" if char else "a Jinja template"
+            problems.add(f"{path} in {where} holds {what}: the record a resume reads is checked as "
+                         f"an -e value is. Fix: launch a new run (launch.yml), or mend the record "
+                         f"and ask who wrote it (the run directory is the training user's).")
 
 
 def _refused_on_resume(extra_vars, opt, run_id, problems):
@@ -96,14 +111,20 @@ def _run_id(opt, preset, plan, runs_seen, now, problems):
     return run_id
 
 
-def _arguments(value, var, example, problems, also=None):
+def _arguments(value, var, example, problems, latest=False):
     """A list of command-line arguments in the charset DeepSpeed's pdsh runner passes safely
-    (`also`: a pattern of further arguments allowed, resolved by the node helper)."""
+    (`latest`: a `{latest:GLOB}` argument too, which the node helper resolves inside the run's
+    working directory: dscnode.safe)."""
     if not isinstance(value, list):
         problems.add(f"{var} is {value!r}. Fix: a list of arguments, e.g. {example}.")
         return []
     for arg in value:
-        if not DS_ENV_SAFE.fullmatch(str(arg)) and not (also and also.fullmatch(str(arg))):
+        if latest and str(arg).startswith("{latest:"):
+            if latest_glob(arg) is None:
+                problems.add(f"{var} holds {str(arg)!r}. Fix: {{latest:GLOB}} with a glob relative to the "
+                             f"run's working directory, without '..' or a leading '/', of letters, "
+                             f"digits and '@%+=:,.*?/-_' (e.g. {{latest:out/checkpoint-*}}).")
+        elif not SHELL_SAFE.fullmatch(str(arg)):
             problems.add(f"{var} holds {str(arg)!r}. Fix: letters, digits and '@%+=:,./-_' only "
                          f"(the pdsh launcher passes arguments through a shell on every node).")
     return [str(a) for a in value]
@@ -154,11 +175,12 @@ def _entry(opt, paths, problems):
             "resume_args": _arguments(opt["dsc_resume_args"], "dsc_resume_args",
                                       "['--resume'], ['--resume_from_checkpoint', "
                                       "'{latest:out/checkpoint-*}'], or [] for a script that resumes "
-                                      "from its own output dir", problems, LATEST)}
+                                      "from its own output dir", problems, latest=True)}
 
 
-def _config_choice(opt, problems):
-    """(mode, how the file reaches the script, the user's ds_config or None)."""
+def _config_choice(opt, problems, read=True):
+    """(mode, how the file reaches the script, the user's ds_config or None: not `read` on a
+    resume, which keeps the run's own ds_config.json)."""
     mode = str(opt["dsc_ds_config_mode"])
     if mode not in CONFIG_MODES:
         problems.add(f"dsc_ds_config_mode is {mode!r}. Fix: one of {', '.join(CONFIG_MODES)} "
@@ -175,7 +197,7 @@ def _config_choice(opt, problems):
     if mode == "file" and not user_file:
         problems.add("dsc_ds_config_file is empty but dsc_ds_config_mode is 'file'. Fix: the path "
                      "of your ds_config.json on the control node.")
-    elif mode in ("file", "hf") and user_file:
+    elif mode in ("file", "hf") and user_file and read:
         user_config = read_user_config(user_file, problems)
     return mode, config_arg, user_config
 
@@ -389,7 +411,7 @@ def _preset(plan, s, opt, options, paths, entry, resume, problems):
 def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
     """The run's part of the plan: id, directory, ds_config, files and the launcher command.
     `extra_vars`: the names given with -e (a resume refuses the LAUNCH_ONLY ones)."""
-    opt = _run_options(options, defaults, runs_seen)
+    opt = _run_options(options, defaults, runs_seen, problems)
     resume = as_bool(opt["resume"])
     entry = _entry(opt, paths, problems)
     preset, options, auto, ladder, model = _preset(plan, s, opt, options, paths, entry, resume, problems)
@@ -398,7 +420,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         _refused_on_resume(extra_vars, opt, run_id, problems)
     _check_restarts(opt, s, problems)
     overrides = _ds_config_overrides(opt, problems)
-    mode, config_arg, user_config = _config_choice(opt, problems)
+    mode, config_arg, user_config = _config_choice(opt, problems, read=not resume)
     sizes = {}
     if plan["world_size"] is not None:  # None: the nodes' own problems come first
         sizes = batch(opt["dsc_micro_batch"], opt["dsc_grad_accum"], opt["dsc_train_batch"],
@@ -418,9 +440,11 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if problems.messages:
         return None
     run_dir = f"{plan['run_root']}/{run_id}"
-    config = compose_config(mode, paths["templates"], preset, set(options), plan["accelerator"],
-                            [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides,
-                            user_config, plan["world_size"], problems)
+    # A resume keeps the run's own ds_config.json (written at its launch): none is composed.
+    config = None if resume else compose_config(
+        mode, paths["templates"], preset, set(options), plan["accelerator"],
+        [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides, user_config,
+        plan["world_size"], problems)
     # The code lands in <run_dir>/code; a package entry (train.run from train/) keeps its folder
     # name so that `python -m train.run` finds it.
     code_base = os.path.basename(os.path.normpath(entry["code_dir"]))

@@ -11,6 +11,8 @@ import posixpath
 import re
 from pathlib import Path
 
+from dscnode.safe import SHELL_SAFE
+
 from .problems import is_int, shown
 
 CLUSTER_GROUP = "cluster"
@@ -75,9 +77,6 @@ TOOLKIT_VARIABLES = ("dsc_plan", "dsc_versions", "dsc_run_status", "dsc_python_v
 URL_CREDENTIAL = re.compile(r"://[^/@\s]+:[^/@\s]*@")
 # Every check below matches the whole string (fullmatch): `$` would accept a trailing newline,
 # which DeepSpeed's runner and a free-form command split into another command or argument.
-# Values DeepSpeed's runner puts on the remote command line unquoted; anything else it
-# double-quotes, where $() and backticks still expand: refused.
-DS_ENV_SAFE = re.compile(r"[\w@%+=:,./-]*")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_NAME = re.compile(r"(?i)(pass|secret|token|key|credential)")
 EXACT_VERSION = re.compile(r"[0-9]+(\.[0-9]+)+([a-z0-9.+-]*)")
@@ -416,48 +415,64 @@ def _check_launch_settings(s, where, problems):
 INDEX_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~:/@%+-]*)?")
 
 
+# The toolkit's fixed paths on a node (dscnode.probe.root_paths): no setting moves them.
+FIXED_PATHS = ("node helper", "root state")
+
+
 def root_path_problems(node, report, train_user, data=True):
     """Refusals for the paths root creates or writes into on a node (the probe's root_paths:
     each with the lstat of every directory above it), before any node changes: a link planted
-    where root would follow it, an owner other than the expected one, a directory above a path
-    of root's that another user owns. `data`: check dsc_data_dir (launch, when it is synced)."""
+    where root would follow it, an owner other than the expected one (an install root or run
+    root that exists must be the training user's already: the toolkit makes its own so, and
+    never gives away a directory it did not make), a directory above a path of root's that
+    another user owns. `data`: check dsc_data_dir (launch, when it is synced)."""
     out = []
     seen = set()
     for entry in report or []:
         var, path, role = entry.get("var", "?"), entry.get("path", "?"), entry.get("role", "user")
         if var == "dsc_data_dir" and not data:
             continue
+        fixed = var in FIXED_PATHS
         chain = entry.get("chain") or []
-        where = f"{var} on host {node}" + ("" if var == "node helper" else f": root writes {path}")
+        where = f"{var} on host {node}" + ("" if fixed else f": root writes {path}")
         for i, c in enumerate(chain):
             p, kind = c.get("path", "?"), c.get("kind")
             parent = chain[i - 1] if i else None
             if kind == "missing":
                 break
             last = i == len(chain) - 1 and p == path
+            owner = c.get("user", "?")
             if kind == "link":
                 # A link of root's in a directory of root's is the system's layout (/opt -> /var/opt).
                 if c.get("uid") == 0 and (parent is None or parent.get("uid") == 0):
                     continue
-                msg = (f"{where}, and {p} is a link to {c.get('target', '?')} owned by {c.get('user', '?')}: "
+                msg = (f"{where}, and {p} is a link to {c.get('target', '?')} owned by {owner}: "
                        f"root would follow it. Fix: remove the link (rm {p}; provision then "
-                       f"creates a real directory), or set {var if var != 'node helper' else 'nothing'} "
-                       f"to a path without links; nothing was changed.")
+                       f"creates a real directory)" + ("" if fixed else f", or set {var} to a path without links")
+                       + "; nothing was changed.")
             elif last and role == "root" and c.get("uid") != 0:
-                msg = (f"{where}: {p} is owned by {c.get('user', '?')}, not root: whoever owns it can "
+                msg = (f"{where}: {p} is owned by {owner}, not root: whoever owns it can "
                        f"change what root runs. Fix: chown root:root {p} (or remove it: provision "
-                       f"installs it); nothing was changed.")
-            elif last and role in ("made", "user") and c.get("user") != train_user and (
-                    c.get("uid") != 0 or var == "dsc_data_dir"):  # synced as the user, never chowned
-                owners = train_user if var == "dsc_data_dir" else f"{train_user} or root"
-                msg = (f"{where}, and {p} is owned by {c.get('user', '?')}, not {owners}. "
+                       f"makes it); nothing was changed.")
+            elif last and role in ("made", "theirs") and owner != train_user:
+                made = ("the toolkit makes its install root the training user's" if role == "made"
+                        else "the training user writes it")
+                mine = (f"it exists and is owned by {owner}, not {train_user}: {made}, and never takes "
+                        f"a directory it did not make" + (" (a system directory given to the training "
+                                                          "user would let them change what root runs)"
+                                                          if c.get("uid") == 0 else ""))
+                msg = (f"{where}, and {mine}. Fix: point {var} at a path that does not exist yet "
+                       f"(e.g. under /opt), or chown -R {train_user}: {p} if it is meant to be "
+                       f"theirs; nothing was changed.")
+            elif last and role == "user" and owner != train_user and c.get("uid") != 0:
+                msg = (f"{where}, and {p} is owned by {owner}, not {train_user} or root. "
                        f"Fix: point {var} at a path of {train_user}'s, or chown -R {train_user}: {p} "
                        f"if it is theirs; nothing was changed.")
             elif not last and role in ("root", "made") and c.get("uid") != 0:
-                msg = (f"{where}, and the directory above it, {p}, is owned by {c.get('user', '?')}: "
+                msg = (f"{where}, and the directory above it, {p}, is owned by {owner}: "
                        f"whoever owns it can swap {path} for a link between the check and the write. "
-                       f"Fix: set {var} under a directory of root's (e.g. /opt), or chown root {p}; "
-                       f"nothing was changed.")
+                       f"Fix: " + (f"chown root {p}" if fixed else f"set {var} under a directory of "
+                                   f"root's (e.g. /opt), or chown root {p}") + "; nothing was changed.")
             else:
                 continue
             if p not in seen:
@@ -521,7 +536,7 @@ def check_env_var(problems, key, value, where):
     elif URL_CREDENTIAL.search(str(value)):
         problems.add(f"{where}: the value of {key} holds a password in a URL. Fix: move it to "
                      f"dsc_secrets (an ansible-vault value), or drop the credentials from the URL.")
-    if not DS_ENV_SAFE.fullmatch(str(value)):
+    if not SHELL_SAFE.fullmatch(str(value)):
         problems.add(f"{where}: the value of {key} is {str(value)!r}. Fix: letters, digits and "
                      f"'@%+=:,./-_' only (DeepSpeed's runner puts it on a shell command line).")
 

@@ -22,11 +22,21 @@ MEMORY_KEPT = 0.95
 PORTS = {"SlurmctldPort": 6817, "SlurmdPort": 6818}
 
 
-def slurm_problems(s, nodes, where, problems):
+def slurm_problems(s, nodes, probes, where, problems):
     """The refusals of Slurm's settings: a partition or account Slurm would read as more than a
     name (the nodes' names are inventory names, already letters, digits, '.' and '-':
-    topology.HOST_NAME); a SlurmdTimeout that is not a positive number of seconds; nodes whose
-    GPU counts differ, which one job's gres can't give."""
+    topology.HOST_NAME); a SlurmdTimeout that is not a positive number of seconds; a node without
+    systemd where the toolkit installs Slurm (roles/slurm runs munge, slurmctld and slurmd as
+    systemd services: it would fail there halfway through provision); nodes whose GPU counts
+    differ, which one job's gres can't give."""
+    if as_bool(s["dsc_slurm_install"]):
+        for n in nodes:
+            if n["reachable"] and (probes.get(n["name"]) or {}).get("systemd") is False:
+                problems.add(f"dsc_slurm_install on host {n['name']} is true, but systemd does not run "
+                             f"there (no /run/systemd/system): the toolkit runs munge, slurmctld and "
+                             f"slurmd as systemd services. Fix: boot the node with systemd, or set "
+                             f"dsc_slurm_install: false and use the site's own Slurm (or "
+                             f"dsc_launch_mode pdsh).")
     for var, example in (("dsc_slurm_partition", "'dsc'"), ("dsc_slurm_account", "'research', or '' for the user's default")):
         value = str(s[var])
         if (value or var == "dsc_slurm_partition") and not SLURM_NAME.fullmatch(value):
