@@ -20,6 +20,11 @@ CASES = [
     # A trailing newline (a second argument to a command line) and a system directory as a root.
     ({"dsc_run_root": "/opt/dscluster/runs\n"}, ["dsc_run_root on host node1 holds a control character ('\\n')"]),
     ({"dsc_run_root": "/etc"}, ["dsc_run_root on host node1 is '/etc', in the system tree /etc"]),
+    # A directory of the system's the toolkit did not make (dpkg's maintainer scripts run as root).
+    ({"dsc_install_root": "/var/lib/dpkg"},
+     ["dsc_install_root on host node1: root writes /var/lib/dpkg, and it exists and is owned by root, not dstrain",
+      "dsc_install_root on host node2: root writes /var/lib/dpkg"]),
+    ({"dsc_run_root": "/var/lib/dpkg"}, ["dsc_run_root on host node1: root writes /var/lib/dpkg, and it exists and is owned by root"]),
     ({"dsc_slurm_install": True, "dsc_slurm_partition": "dsc;touch /tmp/pwned",
       "dsc_slurm_account": "$(touch /tmp/pwned)"},
      ["dsc_slurm_partition on host node1 is 'dsc;touch /tmp/pwned'",
@@ -39,6 +44,7 @@ def test_bad_input_is_refused_before_any_change(cluster, extra, needles):
     assert all(v.get("changed", 0) == 0 for v in r.recap.values()), r.recap
     for node in cluster.names:
         assert cluster.exec(node, "test -e /tmp/pwned", check=False).returncode != 0
+        assert cluster.exec(node, "stat -c '%U:%G %a' /var/lib/dpkg").stdout.strip() == "root:root 755"
 
 
 @pytest.mark.parametrize("playbook", ["preflight.yml", "launch.yml", "resume.yml", "status.yml", "stop.yml", "logs.yml"])

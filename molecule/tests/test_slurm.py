@@ -142,7 +142,12 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
         assert r.returncode == 0, r.output[-6000:]
         return r
 
+    # Another local user names held jobs as the run's, before its launch and after: neither
+    # blocks the launch nor is taken for the run (stop cancels the run's own).
+    cluster.exec("slu1", "id eve >/dev/null 2>&1 || useradd -m eve")
+    strangers = [_stranger_job(cluster, first)]
     launch(first, **tc.UNTIL_STOPPED, save_every=20)
+    strangers.append(_stranger_job(cluster, first))
     tc.wait(lambda: _last_step(cluster, first) > 45, 180, f"{first} past its second checkpoint")
     # paced (6 s of steps at least): the follow below, every 2 s, shows progress lines of it
     queued = launch(second, steps=40, min_step_s=0.15)
@@ -161,6 +166,9 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
     stop = cluster.playbook("stop.yml", "-e", f"run_id={first}", inventory=inv)
     assert stop.returncode == 0, stop.output[-4000:]
     assert f"Slurm job {job1.group(1)} of run {first}: JobState=CANCELLED" in stop.output, stop.output[-4000:]
+    held = cluster.exec("slu1", "squeue --noheader --user eve --format '%i %T'").stdout.split("\n")
+    assert sorted(line.split()[0] for line in held if line) == sorted(strangers), held  # eve's, untouched
+    cluster.exec("slu1", f"scancel {' '.join(strangers)}")
     for h in NODES:
         assert f"{h['name']}: stopped" in stop.output
         left = cluster.exec(h["name"], f"/usr/local/lib/dscluster/dsc_node.pyz procs {first}", user="dstrain")
@@ -187,6 +195,12 @@ def test_a_second_launch_queues_stop_cancels_and_resume_continues(slurm_nodes, c
             status=_lines(status.output, "Slurm job", ": running, ranks alive"),
             pending=_lines(pending.output, "Slurm job", ": not started"),
             stop=_lines(stop.output, "JobState=", ": stopped"))
+
+
+def _stranger_job(cluster, run):
+    """A held job of eve's named as the run's job (dsc-<run id>: run ids show in squeue): its id."""
+    return cluster.exec("slu1", f"cd /tmp && runuser -u eve -- sbatch --parsable --hold --mem=1M "
+                                f"--job-name=dsc-{run} --wrap 'sleep 600'").stdout.strip().split(";")[0]
 
 
 def test_a_sites_own_slurm_must_know_every_node_before_a_job_is_submitted(slurm_nodes, cluster):

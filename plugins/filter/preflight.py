@@ -395,9 +395,10 @@ def preflight_rows(hostvars, cluster, settings):
             continue
         if ip.get("gbps") is not None:
             rows.append(_row("iperf3", n, "PASS", f"{n} -> {ip['to']}: {ip['gbps']:.2f} Gbit/s"))
-        else:
-            rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {ip.get('error')}",
-                             "install iperf3 (base_packages) and allow the cluster's addresses"))
+        else:  # an error that names its own fix (the port's holder) keeps it
+            error, _, fix = str(ip.get("error")).partition(". Fix: ")
+            rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {error}",
+                             fix or "install iperf3 (base_packages) and allow the cluster's addresses"))
     rows += _allreduce_rows(hv[master].get("__preflight_allreduce"))
     if (cluster.get("slurm") or {}).get("install") or cluster.get("launch_mode") == "slurm":
         rows += slurm_rows(cluster, {n: hv[n].get("__preflight_slurm") for n in ok})
