@@ -254,7 +254,7 @@ def memory_mib():
 
 
 def slurm_partitions(train_user):
-    """dsc_launch_mode slurm: {"partitions": {partition: [node names]}, "jobs": {job name: [id,
+    """The slurm launch mode: {"partitions": {partition: [node names]}, "jobs": {job name: [id,
     state]}} as the Slurm controller this node's client reaches lists them (sinfo, squeue), or
     {"error": why} (either's): the plan checks the inventory's nodes against the master's, and a
     run's job already queued, before a job is submitted. The jobs are the training user's own

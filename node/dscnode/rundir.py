@@ -46,7 +46,7 @@ class RunDir:
     SUMMARY = "summary.json"      # train.run's totals, written when it ends
     COMPLETE = "COMPLETE"         # in checkpoints/step<N>/: train.run's mark that the checkpoint is whole
     ALLREDUCE = "allreduce.json"  # train.allreduce's result, which preflight.yml reports
-    SLURM_BATCH = "slurm.sbatch"  # dsc_launch_mode slurm: the batch job launch.yml submits
+    SLURM_BATCH = "slurm.sbatch"  # the slurm launch mode: the batch job launch.yml submits
     SLURM_TASK = "slurm_task.sh"  # and the task it runs on each node (this node's launcher)
     RESTARTING = "restarting"     # slurm mode: the batch job restarts every node (its next attempt)
     OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)

@@ -5,7 +5,8 @@ the package plugins/module_utils/dscplan. It reads each node's inventory values 
 nodes' probes (the `probe_var` each node registered), the run options from the play, the names
 given with -e, and the defaults from roles/plan/meta/argument_specs.yml and requirements/pins.env;
 it fails with every problem at once. With build_helper it only builds the node helper (the file the
-probe runs, before the plan) and returns its path and sha256.
+probe runs, before the plan) and returns its path and sha256; with probe_arguments, this node's
+probe command line (dscplan.probe_arguments).
 """
 from __future__ import annotations
 
@@ -42,36 +43,83 @@ class ActionModule(ActionBase):
         result = super().run(tmp, task_vars)
         args = self._task.args
         if args.get("literal_extra_vars"):
-            # The first task of every playbook, before anything reads an -e value: the values as
-            # given on the command line (and in -e @files), parsed, never templated. Whatever
-            # this Ansible's own detection calls a template is refused too.
-            problems = dscplan.literal_extra_vars(load_extra_vars(self._loader),
-                                                   getattr(self._templar, "is_possibly_template", None))
-            return failed(result, problems, f"{len(problems)} problem(s), nothing was changed:") \
-                if problems else dict(result, changed=False)
+            return self._literal_extra_vars(result)
         if args.get("build_helper"):
             path, sha256 = dscplan.node_helper(REPO)
             return dict(result, changed=False, path=path, sha256=sha256)
+        if args.get("probe_arguments"):
+            # This node's own settings, the defaults from the argument spec: before any plan.
+            values = {k: plain(self._templar.template(task_vars[k]))
+                      for k in dscplan.PROBE_SETTINGS if k in task_vars}
+            return dict(result, changed=False,
+                        argv=dscplan.probe_arguments(values, dscplan.load_defaults(SPEC, PINS)))
+        return self._plan(result, args, task_vars)
+
+    def _literal_extra_vars(self, result):
+        """The first task of every playbook, before anything reads an -e value: the values as given
+        on the command line (and in -e @files), parsed, never templated. Whatever this Ansible's
+        own detection calls a template is refused too."""
+        problems = dscplan.literal_extra_vars(load_extra_vars(self._loader),
+                                               getattr(self._templar, "is_possibly_template", None))
+        return failed(result, problems, f"{len(problems)} problem(s), nothing was changed:") \
+            if problems else dict(result, changed=False)
+
+    def _plan(self, result, args, task_vars):
+        """The plan from every node's inventory values and probe, the run options and the names
+        given with -e; every problem at once."""
         hostvars, groups = task_vars["hostvars"], task_vars["groups"]
-        probe_var = args["probe_var"]  # the plan role's register of each node's probe
         names = dscplan.node_order(groups)
+        refused = self._play_problems(names, task_vars)
+        if refused:
+            return failed(result, [refused])
+        inventory, variables, probes, unreachable, unprobed = self._nodes(names, hostvars, args["probe_var"])
+        # status.yml shows an unreachable node as such; everything else needs every node.
+        allow_unreachable = dscplan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
+        if unreachable and not allow_unreachable:
+            return failed(result, unreachable)
+        options = {k: plain(self._templar.template(task_vars[k]))
+                   for k in dscplan.RUN_OPTIONS if k in task_vars}
+        # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported
+        # by preflight itself), false (status, stop, logs: only which run).
+        run_kind = self._templar.template(args.get("run", False))
+        run_kind = run_kind if run_kind == "probe" else dscplan.as_bool(run_kind)
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+        plan, errors = dscplan.make_plan(
+            inventory, {k: list(v) for k, v in groups.items()}, probes, dscplan.load_defaults(SPEC, PINS),
+            {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
+            full_run=run_kind in ("probe", True), refuse_active=run_kind is True,
+            firewall=dscplan.as_bool(self._templar.template(args.get("firewall", False))),
+            variables=variables, extra_vars=frozenset(map(str, load_extra_vars(self._loader))),
+            probe_errors=unprobed)
+        if errors:
+            return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
+        result.update(plan)
+        result["changed"] = False
+        return result
+
+    @staticmethod
+    def _play_problems(names, task_vars):
+        """Why the plan cannot be made in this play: --limit left nodes out, or a node failed before it."""
         limited = [h for h in names if h not in task_vars.get("ansible_play_hosts_all", names)]
         if limited:
-            msg = (f"--limit leaves out {', '.join(limited)}: the plan checks and derives the whole "
-                   f"cluster (rank order, world size, the hostfile) and needs every node. Fix: run "
-                   f"without --limit; to leave a node out, remove it from the group 'cluster'.")
-            return failed(result, [msg])
+            return (f"--limit leaves out {', '.join(limited)}: the plan checks and derives the whole "
+                    f"cluster (rank order, world size, the hostfile) and needs every node. Fix: run "
+                    f"without --limit; to leave a node out, remove it from the group 'cluster'.")
         dropped = [h for h in task_vars.get("ansible_play_hosts_all", [])
                    if h not in task_vars.get("ansible_play_hosts", [])]
         if dropped:
-            msg = (f"host(s) {', '.join(dropped)} failed before the plan (see above). Fix that "
-                   f"first: every check of the cluster needs every node.")
-            return failed(result, [msg])
+            return (f"host(s) {', '.join(dropped)} failed before the plan (see above). Fix that "
+                    f"first: every check of the cluster needs every node.")
+        return None
+
+    @staticmethod
+    def _nodes(names, hostvars, probe_var):
+        """Each node's settings (inventory values), the names of its dsc_ variables, its probe
+        (`probe_var`, the plan role's register of it), and why a node could not be probed."""
         inventory, variables, probes, unreachable, unprobed = {}, {}, {}, [], {}
+        wanted = dscplan.CLUSTER_SETTINGS + dscplan.NODE_SETTINGS + dscplan.SECRET_SETTINGS + ("ansible_host", "ansible_port")
         for name in names:
             hv = hostvars[name]
-            wanted = (dscplan.CLUSTER_SETTINGS + dscplan.NODE_SETTINGS + dscplan.SECRET_SETTINGS
-                      + ("ansible_host", "ansible_port"))
             inventory[name] = {var: plain(hv[var]) for var in wanted if var in hv}
             # Names only (iterating hostvars templates nothing): undeclared settings are refused.
             variables[name] = [var for var in hv if str(var).startswith(dscplan.SETTING_PREFIXES)]
@@ -91,27 +139,4 @@ class ActionModule(ActionBase):
                 unreachable.append(f"host {name}: the node probe printed no report ({why[-300:]}). "
                                    f"Fix: copy .cache/dsc_node.pyz there, run the probe by hand "
                                    f"(python3 dsc_node.pyz probe) and mend what it says.")
-        # status.yml shows an unreachable node as such; everything else needs every node.
-        allow_unreachable = dscplan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
-        if unreachable and not allow_unreachable:
-            return failed(result, unreachable)
-        defaults = dscplan.load_defaults(SPEC, PINS)
-        options = {k: plain(self._templar.template(task_vars[k]))
-                   for k in dscplan.RUN_OPTIONS if k in task_vars}
-        # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported
-        # by preflight itself), false (status, stop, logs: only which run).
-        run_kind = self._templar.template(args.get("run", False))
-        run_kind = run_kind if run_kind == "probe" else dscplan.as_bool(run_kind)
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-        plan, errors = dscplan.make_plan(
-            inventory, {k: list(v) for k, v in groups.items()}, probes, defaults,
-            {"repo": REPO, "templates": os.path.join(REPO, "templates")}, options, now=now,
-            full_run=run_kind in ("probe", True), refuse_active=run_kind is True,
-            firewall=dscplan.as_bool(self._templar.template(args.get("firewall", False))),
-            variables=variables, extra_vars=frozenset(map(str, load_extra_vars(self._loader))),
-            probe_errors=unprobed)
-        if errors:
-            return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
-        result.update(plan)
-        result["changed"] = False
-        return result
+        return inventory, variables, probes, unreachable, unprobed

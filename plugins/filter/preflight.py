@@ -144,14 +144,14 @@ def driver_verdict(cuda, driver):
     return ("PASS", f"driver {driver} runs CUDA {cuda} (needs {need or '?'})", "")
 
 
-def _ssh_rows(names, master, hv, mesh, mode, train_user):
+def _ssh_rows(names, master, hv, mesh, launcher, train_user):
     """ssh from the master to each node as the training user (more than one node; a single "not
-    used" row in no_ssh and slurm modes)."""
-    rows, pdsh = [], mode == "pdsh"
-    if len(names) > 1 and not pdsh:
+    used" row where the launch mode uses no ssh between nodes)."""
+    rows, ssh = [], launcher["ssh_mesh"]
+    if len(names) > 1 and not ssh:
         rows.append(_row("ssh from master", "all", "PASS",
-                         f"not used: dsc_launch_mode {mode}"))
-    for n in names if len(names) > 1 and pdsh else []:
+                         f"not used: the {launcher['name']} launch mode starts no ssh between nodes"))
+    for n in names if len(names) > 1 and ssh else []:
         m = mesh.get(n)
         if m is None:
             why = hv[master].get("__preflight_mesh_error") or "the master did not report"
@@ -343,11 +343,11 @@ def preflight_rows(hostvars, cluster, settings):
                              "start sshd on the node, or fix ansible_host/ansible_port/the key"))
     ok = [n for n in names if reach[n] and probe[n]]
     mesh = hv[master].get("__preflight_mesh") or {}
-    # no_ssh mode: Ansible starts a launcher on every node; nothing sshes between nodes or
-    # resolves their names (the hostfile's names are only keys there, the master an address).
-    pdsh = cluster.get("launch_mode", "pdsh") == "pdsh"
-    rows += _ssh_rows(names, master, hv, mesh, cluster.get("launch_mode", "pdsh"), settings["train_user"])
-    if pdsh:
+    # Without ssh between nodes, nothing resolves their names (the hostfile's names are only keys
+    # there, the master an address).
+    launcher = cluster["launcher"]
+    rows += _ssh_rows(names, master, hv, mesh, launcher, settings["train_user"])
+    if launcher["ssh_mesh"]:
         rows += _name_rows(ok, probe, cluster["nodes"])
     rows += _version_rows(ok, probe, master, settings)
     rows += package_rows(ok, probe, master)
@@ -400,7 +400,7 @@ def preflight_rows(hostvars, cluster, settings):
             rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {error}",
                              fix or "install iperf3 (base_packages) and allow the cluster's addresses"))
     rows += _allreduce_rows(hv[master].get("__preflight_allreduce"))
-    if (cluster.get("slurm") or {}).get("install") or cluster.get("launch_mode") == "slurm":
+    if (cluster.get("slurm") or {}).get("install") or cluster["launcher"]["queue"] is not None:
         rows += slurm_rows(cluster, {n: hv[n].get("__preflight_slurm") for n in ok})
     return rows
 

@@ -32,6 +32,7 @@ from dscnode.entry import NODE_ENV_PREFIX
 from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 
 from .deepspeed_config import batch, ds_config, precision, presets
+from .launchers import chosen
 from .packages import _lock, _requirements, already_there, existing_owner, lock_texts, node_helper, op_sources, pip_sources
 from .problems import Problems
 from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan
@@ -43,6 +44,7 @@ from .settings import (
     JSON_ONLY,
     NODE_SETTINGS,
     PLAYBOOK_INPUTS,
+    PROBE_SETTINGS,
     RETIRED_SETTINGS,
     RUN_OPTIONS,
     SECRET_SETTINGS,
@@ -65,11 +67,11 @@ from .settings import (
     templates_in,
     undeclared_settings,
 )
-from .slurm import slurm_node_problems, slurm_plan, slurm_problems
+from .slurm import slurm_plan, slurm_problems
 from .topology import _firewall_backends, _nodes, network_env, node_order, training_address
 
 # What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
-__all__ = ["_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
+__all__ = ["PROBE_SETTINGS", "probe_arguments", "_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
 
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -162,7 +164,7 @@ def _node_and_rank_env(s, nodes, prefix, install_root, secrets):
 
 
 def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements, data, lock,
-                  notes):
+                  launch, notes):
     """The Plan of valid settings and nodes, without its run (make_plan adds it)."""
     helper_src, helper_sha256 = node_helper(paths["repo"])
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
@@ -184,6 +186,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         n.update(already_there(probes.get(n["name"]), lock, wheelhouse_digest, root_packages))
     op_sources(nodes, probes, [accelerator, prefix, str(s["dsc_python_version"]), str(s["dsc_torch_version"]),
                                str(s["dsc_torch_variant"]), str(s["dsc_deepspeed_version"]), node_env.get("TORCH_CUDA_ARCH_LIST", "")])
+    slurm = slurm_plan(s, str(s["dsc_cluster_name"]), nodes, probes)
     return Plan(
         cluster_name=str(s["dsc_cluster_name"]),
         nodes=nodes, node={n["name"]: n for n in nodes},
@@ -221,8 +224,8 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         lock=lock or {}, locked=bool(lock), lock_texts=lock_texts(lock),
         master_port_first=int(s["dsc_master_port"]),
         master_port_last=int(s["dsc_master_port_last"]),
-        launch_mode=s["dsc_launch_mode"],
-        slurm=slurm_plan(s, str(s["dsc_cluster_name"]), nodes, probes),
+        slurm=slurm,
+        launcher=launch.record(nodes, nodes[0]["name"], slurm),
         firewall=as_bool(s["cluster_network_firewall"]),
         ssh_sources=s["cluster_network_ssh_sources"],
         node_env=node_env, rank_env=rank_env,
@@ -233,6 +236,24 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         notes=notes,
         run=None,
     )
+
+
+def probe_arguments(values, defaults):
+    """The node probe's command line (dscnode.probe) from one node's own settings (`values`, as
+    Ansible resolved them for it: PROBE_SETTINGS) and the settings' defaults (the argument spec):
+    the roots it reports on, the training user, an existing interpreter, and what the launch mode
+    reads. Unchecked yet (the plan checks the settings): each is one argument, never split."""
+    given = {name: str(defaults.get(name) if values.get(name) in (None, "") else values[name])
+             for name in PROBE_SETTINGS}
+    root = given["dsc_install_root"]
+    args = ["probe", "--run-root", given["dsc_run_root"] or f"{root}/runs", "--install-root", root,
+            "--train-user", given["dsc_train_user"]]
+    args += chosen(given, "", Problems()).probe_options()
+    if given["dsc_data_dir"]:
+        args += ["--data-dir", given["dsc_data_dir"]]
+    if given["dsc_env_manager"] == "existing" and given["dsc_existing_python"]:
+        args += ["--existing-python", given["dsc_existing_python"]]
+    return args
 
 
 def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="00000000-000000",
@@ -263,6 +284,8 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     nodes = _nodes(names, hostvars, defaults, probes, problems, probe_errors or {})
     _firewall_backends(nodes, probes, s, firewall, problems)
     slurm_problems(s, nodes, probes, f"on host {names[0]}", problems)
+    launch = chosen(s, f"on host {names[0]}", problems)  # the launch mode, chosen once
+    launch.cluster_problems(nodes, f"on host {names[0]}", problems)
     _check_nodes(nodes, s, hostvars, probes, full_run, problems)
     env_owner = _existing_env_owner(s, nodes, probes, problems)
     if problems.messages:
@@ -270,7 +293,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
             partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
                        "master": names[0], "world_size": None}
             runs = (probes.get(names[0]) or {}).get("runs") or []
-            _run(partial, s, options or {}, defaults, paths, problems, runs, now, refuse_active, extra_vars)
+            _run(partial, s, launch, options or {}, defaults, paths, problems, runs, now, refuse_active, extra_vars)
         else:
             problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
             if problem:
@@ -278,14 +301,14 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         return None, problems.messages
 
     plan = _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements,
-                         data, lock, problems.notes)
+                         data, lock, launch, problems.notes)
     options = options or {}
     if full_run:
-        plan.run = _run(asdict(plan), s, options, defaults, paths, problems, plan.runs, now,
+        plan.run = _run(asdict(plan), s, launch, options, defaults, paths, problems, plan.runs, now,
                         refuse_active, extra_vars)
-        if plan.launch_mode == "slurm" and plan.run:
-            slurm_node_problems(plan.master, plan.slurm["partition"], plan.node_names, plan.run["id"],
-                                (probes.get(plan.master) or {}).get("slurm"), problems)
+        if plan.run:
+            launch.run_problems(plan.master, plan.nodes, plan.slurm, plan.run["id"],
+                                probes.get(plan.master) or {}, problems)
     else:
         run_id, run_dir, problem = run_reference(str(options.get("run_id") or ""), plan.runs, plan.run_root)
         if problem:

@@ -372,19 +372,18 @@ def _memory_record(plan, opt, entry, s, config, model, resume):
             "assumed": model["assumed"]}
 
 
-def _step_down(plan, s, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto):
+def _step_down(plan, launcher_why, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto):
     """auto.json for the supervisor: preset=auto's ladder (the chosen configuration first), each
     step with its ds_config, predicted peak and batch; the steps are said in auto's lines. None
-    (and said why) where an out-of-memory error cannot step down."""
+    (and said why) where an out-of-memory error cannot step down (`launcher_why`: the launch
+    mode's reason, launchers.Launcher.step_down_why)."""
     if len(ladder) < 2:
         if ladder:
             auto.append("  no step down: nothing below it is predicted to fit when this prediction is "
                         "wrong enough to run out of memory")
         return None
-    why = (f"dsc_launch_mode {s['dsc_launch_mode']} (each node's launcher runs on its own)"
-           if s["dsc_launch_mode"] in ("no_ssh", "slurm")
-           and len(plan["nodes"]) > 1 else
-           f"dsc_ds_config_mode {mode} (the script sets its own batch)" if mode not in ("preset", "file") else "")
+    why = launcher_why or (f"dsc_ds_config_mode {mode} (the script sets its own batch)"
+                           if mode not in ("preset", "file") else "")
     if why:
         auto.append(f"  no step down after an out-of-memory error: {why}")
         return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .launchers import LauncherRecord
+
 
 @dataclass
 class Plan:
@@ -62,8 +64,8 @@ class Plan:
     lock_texts: dict  # {wheels, sdists}: the lock's files as written on the nodes (roles/pytorch)
     master_port_first: int
     master_port_last: int
-    launch_mode: str  # pdsh, no_ssh or slurm (dsc_launch_mode)
     slurm: dict  # roles/slurm's configuration (dsc_slurm_install; dscplan.slurm): install, partition, account, controller, conf, gres_conf, cgroup_conf
+    launcher: LauncherRecord  # how runs start, are read and stop (the launch mode's module in dscplan.launchers)
     firewall: bool  # roles/cluster_network manages the host firewall (cluster_network_firewall)
     ssh_sources: list[str]  # cluster_network_ssh_sources
     node_env: dict[str, str]  # the environment of every DeepSpeed process on a node (op builds, probes)

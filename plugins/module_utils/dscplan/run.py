@@ -16,7 +16,6 @@ from .deepspeed_config import _run_sections, batch, compose_config, precision, p
 from .problems import is_int
 from .rendered import _rendered, code_archive
 from .settings import JSON_ONLY, RUN_OPTIONS, _abs_path, _control_paths, as_bool, templates_in
-from .slurm import batch_files
 
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
@@ -202,7 +201,7 @@ def _config_choice(opt, problems, read=True):
     return mode, config_arg, user_config
 
 
-def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
+def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, queues, problems):
     """An active run (unless replace), a resume of an unknown run, a new run in a used directory."""
     seen = {r["id"]: r for r in runs_seen}
     active = [r["id"] for r in runs_seen if r.get("active")]
@@ -212,9 +211,10 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems):
                          f"symbolic link, not a run directory (a run's files would be written "
                          f"wherever it points). Fix: remove the link (check who planted it), or "
                          f"launch with another run_id.")
-    # Through Slurm, a second run queues behind the first (its nodes are the job's alone).
+    # Where a batch queue holds runs, a second run queues behind the first (the nodes are the
+    # job's alone).
     if refuse_active and active and active[0] != run_id and not as_bool(opt["replace"]) \
-            and not as_bool(opt["dry_run"]) and plan["launch_mode"] != "slurm":
+            and not as_bool(opt["dry_run"]) and not queues:
         problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "
                      f"(ansible-playbook stop.yml -e run_id={active[0]}), or launch with "
                      f"-e replace=true to stop and replace it.")
@@ -282,58 +282,35 @@ def _resume_secrets(run_id, plan, runs_seen, problems):
     return True
 
 
-def _commands(plan, s, run_dir, entry, config_arg, resume):
-    """{node: the DeepSpeed launcher's argv}: the master alone (pdsh), or every node (no_ssh, and
-    slurm, where each node's task of the batch job starts it).
-    Each rank runs the node helper's entry shim (secrets, progress), which runs the user's
-    script or module in the same process."""
-    launcher = [posixpath.dirname(plan["python"]) + "/deepspeed",
+def _commands(plan, launcher, run_dir, entry, config_arg, resume):
+    """{node: the DeepSpeed launcher's argv} on each node that starts one (the launch mode's
+    choice). Each rank runs the node helper's entry shim (secrets, progress), which runs the
+    user's script or module in the same process."""
+    runner = [posixpath.dirname(plan["python"]) + "/deepspeed",
                 "--hostfile", f"{run_dir}/{RunDir.HOSTFILE}", "--master_addr", plan["master_addr"]]
     if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
-        launcher += ["--ssh_port", str(plan["ssh_ports"][0])]
+        runner += ["--ssh_port", str(plan["ssh_ports"][0])]
     if plan["num_nodes"] == 1:
-        launcher += ["--no_ssh_check"]
+        runner += ["--no_ssh_check"]
     if any(n["gpu_ids"] for n in plan["nodes"]):  # DeepSpeed's NAME:SLOT[,SLOT]@NAME...
-        launcher += ["--include", "@".join(
+        runner += ["--include", "@".join(
             f"{n['name']}:{','.join(map(str, n['gpu_ids'] or range(n['slots'])))}" for n in plan["nodes"])]
-    launcher += entry["launcher_args"]
+    runner += entry["launcher_args"]
     train_run = entry["module"] == "train.run" and not entry["script"]
     program = [plan["helper"], "entry"] \
         + (["--script", entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
         + ([config_arg, f"{run_dir}/{RunDir.DS_CONFIG}"] if config_arg.startswith("--") else []) \
         + (["--config", f"{run_dir}/{RunDir.TRAIN_CONFIG}"] if train_run else []) \
         + entry["args"] + (entry["resume_args"] if resume else [])
-    if s["dsc_launch_mode"] in ("no_ssh", "slurm"):
-        return {n["name"]: launcher + ["--no_ssh", "--node_rank", str(n["rank"])] + program
-                for n in plan["nodes"]}
-    return {plan["master"]: launcher + program}
+    return launcher.commands(plan["nodes"], plan["master"], runner, program)
 
 
-def _start_args(plan, s, opt, entry, commands):
-    """{node: the node helper's `start` options}, but the port: the supervisor's restarts, stall
-    watch and the nodes it tears down (every node through pdsh; its own node where each node
-    starts its own launcher). In slurm mode the batch job restarts every node's task together,
-    never one node's supervisor alone (batch_files)."""
-    pdsh = s["dsc_launch_mode"] == "pdsh"
-    restarts = 0 if s["dsc_launch_mode"] == "slurm" else int(opt["max_restarts"])
-    return {node: ["--run-root", plan["run_root"], "--hosts", ",".join(plan["node_names"]) if pdsh else node,
-                   "--max-restarts", str(restarts), "--backoff", str(int(opt["restart_backoff_s"])),
-                   "--resume-args", json.dumps(entry["resume_args"]), "--stall-s", str(int(opt["dsc_stall_timeout_s"])),
-                   "--py-spy", plan["py_spy"]]
-            + (["--stall-fail"] if as_bool(opt["dsc_stall_fail"]) else [])
-            + (["--replace"] if as_bool(opt["replace"]) else [])
-            for node in commands}
-
-
-def _check_restarts(opt, s, problems):
-    """The supervisor's options: whole numbers, and no restarts where each node's launcher runs alone."""
+def _check_restarts(opt, launcher, problems):
+    """The supervisor's options: whole numbers, and what the launch mode cannot honour."""
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
         if not is_int(opt[var]) or int(opt[var]) < 0:
             problems.add(f"{var} is {opt[var]!r}. Fix: a whole number, 0 or more.")
-    if s["dsc_launch_mode"] == "no_ssh" and is_int(opt["max_restarts"]) and int(opt["max_restarts"]) > 0:
-        problems.add(f"max_restarts is {opt['max_restarts']} with dsc_launch_mode no_ssh. Fix: 0 "
-                     f"(each node's launcher runs on its own there, and a restart must restart every "
-                     f"node's ranks together: the pdsh mode's supervisor does, and slurm mode's batch job), or dsc_launch_mode pdsh.")
+    launcher.option_problems(opt, problems)
 
 
 def _ds_config_overrides(opt, problems):
@@ -408,9 +385,10 @@ def _preset(plan, s, opt, options, paths, entry, resume, problems):
     return preset, options, [], [], None
 
 
-def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
+def _run(plan, s, launcher, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
     """The run's part of the plan: id, directory, ds_config, files and the launcher command.
-    `extra_vars`: the names given with -e (a resume refuses the LAUNCH_ONLY ones)."""
+    `launcher`: the launch mode's (launchers.Launcher); `extra_vars`: the names given with -e (a resume refuses
+    the LAUNCH_ONLY ones)."""
     opt = _run_options(options, defaults, runs_seen, problems)
     resume = as_bool(opt["resume"])
     entry = _entry(opt, paths, problems)
@@ -418,7 +396,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
     if resume:
         _refused_on_resume(extra_vars, opt, run_id, problems)
-    _check_restarts(opt, s, problems)
+    _check_restarts(opt, launcher, problems)
     overrides = _ds_config_overrides(opt, problems)
     mode, config_arg, user_config = _config_choice(opt, problems, read=not resume)
     sizes = {}
@@ -429,7 +407,7 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         if "error" in sizes and (mode == "preset" or any(
                 k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
             problems.add(sizes["error"])
-    _refused_starts(opt, run_id, plan, runs_seen, refuse_active, problems)
+    _refused_starts(opt, run_id, plan, runs_seen, refuse_active, launcher.queues, problems)
     secrets = resume and _resume_secrets(run_id, plan, runs_seen, problems)
     archive = ""
     if not entry["shared"] and not resume and os.path.isdir(entry["code_dir"]):
@@ -456,16 +434,16 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
     if config is not None:
         _run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
     memory = _memory_record(plan, opt, entry, s, config, model, resume)
-    step_down = _step_down(plan, s, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto)
+    step_down = _step_down(plan, launcher.step_down_why(plan["num_nodes"] or 0), opt, options, paths, mode,
+                           ladder, overrides, user_config, run_dir, auto)
     env = _run_env(plan, run_id, run_dir, secrets, config_arg)
     hostfile, env_text = _rendered(paths, plan, env, problems)
-    commands = _commands(plan, s, run_dir, entry, config_arg, resume)
-    start_args = _start_args(plan, s, opt, entry, commands)
+    commands = _commands(plan, launcher, run_dir, entry, config_arg, resume)
+    start_args = launcher.start_args(plan["nodes"], commands, opt, plan["run_root"], plan["py_spy"], entry["resume_args"])
     workdir = entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}"
-    files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text),
-                 **(batch_files(plan, run_id, run_dir, workdir, commands, start_args, env,
-                                (int(opt["max_restarts"]), int(opt["restart_backoff_s"])))
-                    if s["dsc_launch_mode"] == "slurm" else {}))
+    launch_files = launcher.files(plan, run_id, run_dir, workdir, commands, start_args, env,
+                                  (int(opt["max_restarts"]), int(opt["restart_backoff_s"])))
+    files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text), **launch_files)
     return {
         "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,
         "dry_run": as_bool(opt["dry_run"]),
@@ -478,8 +456,8 @@ def _run(plan, s, options, defaults, paths, problems, runs_seen, now, refuse_act
         "workdir": workdir, "env": env,
         "secrets_file": secrets_path(plan["run_root"], run_id),
         "commands": commands, "start_args": start_args, "code_archive": archive, "files": files,
-        # A resume keeps the run's files, but the batch job's: its commands carry the resume.
-        "resume_files": {k: v for k, v in files.items() if k in (RunDir.SLURM_BATCH, RunDir.SLURM_TASK)},
+        # A resume keeps the run's files, but the launch mode's: its commands carry the resume.
+        "resume_files": launch_files,
         **_run_paths(run_dir),
     }
 

@@ -47,6 +47,9 @@ CLUSTER_SETTINGS = (
 SECRET_SETTINGS = ("dsc_secrets",)
 # Settings of one node.
 NODE_SETTINGS = ("dsc_addr", "dsc_slots", "dsc_ssh_port", "dsc_gpus")
+# What a node's probe is asked about, read before any plan exists (dscplan.probe_arguments).
+PROBE_SETTINGS = ("dsc_install_root", "dsc_run_root", "dsc_train_user", "dsc_launch_mode", "dsc_data_dir",
+                  "dsc_env_manager", "dsc_existing_python")
 # Options of one run (launch, resume, status, stop, logs): -e values or the playbook's vars.
 RUN_OPTIONS = (
     "preset", "run_id", "resume", "force", "replace", "dry_run", "follow", "max_restarts",
