@@ -39,6 +39,7 @@ from train.checkpoints import (fsync_path, fsync_tree, latest_complete, mark_com
                                prune, space_problem, tree_size)
 from train.config import ConfigError, load_config
 from train.data import Batches, load_tokens, rank_info
+from train.memory import model_states
 from train.model import build_model, flops_per_token, largest_layer_params
 
 # Dense bf16/fp16 peak per GPU, for MFU (vendor datasheets).
@@ -70,9 +71,9 @@ def choose_precision(ds_cfg: dict, wanted: str, device: str) -> str:
 
 def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes: int, cfg=None,
                     ds_cfg=None, micro_batch=None, precision=None) -> dict:
-    """DeepSpeed's own model-state estimators (bytes per GPU / per node CPU); with the run's
-    config, also train/memory.py's peak prediction (model states + activations + logits, per GPU)
-    as "predicted"."""
+    """DeepSpeed's model-state estimate (bytes per GPU / per node CPU, train/memory.py's
+    model_states); with the run's config, also train/memory.py's peak prediction (model states +
+    activations + logits, per GPU) as "predicted"."""
     n = sum(p.numel() for p in model.parameters())
     predicted = {}
     if cfg is not None and ds_cfg is not None and micro_batch:
@@ -86,25 +87,11 @@ def memory_estimate(model, stage: int, offload: bool, gpus_per_node: int, nodes:
                                        "parts": r["parts"]}}
         except Exception as e:  # noqa: BLE001 - never fail a run over a prediction
             predicted = {"predicted": {"method": f"unavailable: {e}"}}
-    try:
-        if stage == 3:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: PLC0415 - in the try
-            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-                n, largest_layer_params(model), gpus_per_node, nodes, cpu_offload=offload,
-                cpu_offload_params=offload, zero_init=True)
-            how = "estimate_zero3_model_states_mem_needs"
-        elif stage == 2:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: PLC0415 - in the try
-            cpu, gpu = estimate_zero2_model_states_mem_needs(n, gpus_per_node, nodes, cpu_offload=offload)
-            how = "estimate_zero2_model_states_mem_needs"
-        else:
-            # DeepSpeed ships no estimator for stages 0/1: the ZeRO paper's 16 bytes/param split.
-            world = gpus_per_node * nodes
-            gpu = 16 * n if stage == 0 else 4 * n + 12 * n / world
-            cpu, how = 0, "zero-paper formula (16 bytes/param)"
-    except Exception as e:  # noqa: BLE001 - an estimator's signature changed: report, don't fail the run
-        return {"method": f"unavailable: {e}", "params": n, **predicted}
-    return {"method": how, "params": n, "gpu_bytes": int(gpu), "cpu_bytes": int(cpu), **predicted}
+    # DeepSpeed's own estimators in closed form (tests/unit/test_memory.py holds them equal to
+    # DeepSpeed's), and the ZeRO paper's split for stages 0 and 1, which DeepSpeed has none for.
+    largest = largest_layer_params(model) if stage == 3 else 0  # ZeRO-3 gathers a layer at a time
+    states = model_states(n, largest, stage, offload, offload and stage == 3, gpus_per_node, nodes)
+    return {**states, **predicted}
 
 
 def lr_at(cfg, step: int) -> float:
