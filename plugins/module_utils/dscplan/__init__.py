@@ -35,9 +35,9 @@ from .deepspeed_config import batch, ds_config, precision, presets
 from .launchers import chosen
 from .packages import _lock, _requirements, already_there, existing_owner, lock_texts, node_helper, op_sources, pip_sources
 from .problems import Problems
-from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan
+from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan, SlurmRecord, runs_seen
 from .rendered import _env_paths, code_archive, parse_ds_env, parse_hostfile
-from .run import LAUNCH_ONLY, _plot_runs, _run, run_reference, secrets_path
+from .run import LAUNCH_ONLY, Unplanned, _plot_runs, _run, run_reference, secrets_path
 from .settings import (
     CLUSTER_GROUP,
     CLUSTER_SETTINGS,
@@ -82,26 +82,26 @@ def _check_nodes(nodes, s, hostvars, probes, full_run, problems):
     interface there holds; marks the control node itself as "local". Notes the files its probe
     refused to read (the playbook goes on without them)."""
     for node in nodes:
-        for refused in (probes.get(node["name"]) or {}).get("refused_reads") or []:
-            problems.note(f"host {node['name']}: {refused.get('path')} was left unread: {refused.get('why')}. "
+        for refused in (probes.get(node.name) or {}).get("refused_reads") or []:
+            problems.note(f"host {node.name}: {refused.get('path')} was left unread: {refused.get('why')}. "
                           f"Root reads only regular files of their kind's size there, never through a link, "
                           f"and what needs the file goes on without it. Fix: remove it, or ask who put "
                           f"it there (the directory is the training user's).")
     for node in nodes:
         # The control node itself (a local connection, the one-node default): dsc_data_dir there is
         # the source, never created, changed or synced (launch skips it on this node).
-        node["local"] = str((hostvars.get(node["name"]) or {}).get("ansible_connection") or "") == "local"
-        if node["reachable"]:
+        node.local = str((hostvars.get(node.name) or {}).get("ansible_connection") or "") == "local"
+        if node.reachable:
             for message in root_path_problems(
-                    node["name"], (probes.get(node["name"]) or {}).get("root_paths"), str(s["dsc_train_user"]),
-                    data=full_run and not as_bool(s["dsc_data_shared"]) and not node["local"]):
+                    node.name, (probes.get(node.name) or {}).get("root_paths"), str(s["dsc_train_user"]),
+                    data=full_run and not as_bool(s["dsc_data_shared"]) and not node.local):
                 problems.add(message)
     for node in nodes:
-        if node["reachable"] and not node["iface"] and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}) \
-                and not training_address(node["name"], hostvars.get(node["name"]) or {})[1]:
-            seen = ", ".join(a for addrs in ((probes.get(node["name"]) or {}).get("interfaces")
+        if node.reachable and not node.iface and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}) \
+                and not training_address(node.name, hostvars.get(node.name) or {})[1]:
+            seen = ", ".join(a for addrs in ((probes.get(node.name) or {}).get("interfaces")
                                              or {}).values() for a in addrs or [])
-            problems.add(f"dsc_addr on host {node['name']} is {node['addr']}, which no interface "
+            problems.add(f"dsc_addr on host {node.name} is {node.addr}, which no interface "
                          f"there holds. Fix: set dsc_addr to an address of this node ({seen}).")
 
 
@@ -113,13 +113,13 @@ def _existing_env_owner(s, nodes, probes, problems):
             m.startswith("dsc_existing_python") for m in problems.messages):
         owners = {}
         for node in nodes:
-            if node["reachable"]:
-                owner, problem = existing_owner(node["name"], str(s["dsc_existing_python"]),
-                                                (probes.get(node["name"]) or {}).get("existing_python"))
+            if node.reachable:
+                owner, problem = existing_owner(node.name, str(s["dsc_existing_python"]),
+                                                (probes.get(node.name) or {}).get("existing_python"))
                 if problem:
                     problems.add(problem)
                 else:
-                    owners.setdefault(owner, []).append(node["name"])
+                    owners.setdefault(owner, []).append(node.name)
         if len(owners) > 1:
             detail = "; ".join(f"{o} on {', '.join(h)}" for o, h in owners.items())
             problems.add(f"dsc_existing_python is {s['dsc_existing_python']!r}, owned by {detail}: it "
@@ -131,8 +131,8 @@ def _existing_env_owner(s, nodes, probes, problems):
 
 def _node_and_rank_env(s, nodes, prefix, install_root, secrets):
     """(accelerator, compute capabilities, node_env, rank_env) for the nodes the plan holds."""
-    accelerator = "cuda" if all(n["gpus"] > 0 for n in nodes) else "cpu"
-    caps = sorted({c for n in nodes for c in n["compute_caps"]})
+    accelerator = "cuda" if all(n.gpus > 0 for n in nodes) else "cpu"
+    caps = sorted({c for n in nodes for c in n.compute_caps})
     # The environment every DeepSpeed process on a node needs (op builds, probes, ranks): the
     # env's PATH, the accelerator, node-local caches (JIT builds race on a shared filesystem),
     # and the arch list read from the GPUs (an image's "9.0a" breaks DeepSpeed's op builder).
@@ -148,13 +148,13 @@ def _node_and_rank_env(s, nodes, prefix, install_root, secrets):
     # (NODE_ENV_PREFIX). dsc_rank_env's value wins everywhere.
     own = {var: per_node for var, per_node in network_env(nodes).items() if var not in given}
     for i, node in enumerate(nodes):
-        node["network_env"] = {var: per_node[i] for var, per_node in own.items()}
+        node.network_env = {var: per_node[i] for var, per_node in own.items()}
     for var, per_node in own.items():
         if len(set(per_node)) > 1:
             rank_env[NODE_ENV_PREFIX + var] = "/".join(per_node)
         elif per_node[0]:
             rank_env[var] = per_node[0]
-    rank_env.update(NCCL_IB_DISABLE="0" if all(n["infiniband"] for n in nodes) else "1",
+    rank_env.update(NCCL_IB_DISABLE="0" if all(n.infiniband for n in nodes) else "1",
                     NCCL_DEBUG=str(s["dsc_nccl_debug"]),
                     DEEPSPEED_TIMEOUT=str(s["dsc_pg_timeout_min"]))
     rank_env.update(given)
@@ -183,17 +183,17 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
     wheelhouse, node_wheelhouse = str(s["dsc_wheelhouse"] or ""), f"{packages_dir}/{WHEELHOUSE_DIR}"
     wheelhouse_digest = tree_digest(wheelhouse) if wheelhouse else None
     for n in nodes:
-        n.update(already_there(probes.get(n["name"]), lock, wheelhouse_digest, root_packages))
+        n.lock_current, n.wheelhouse_current = already_there(probes.get(n.name), lock, wheelhouse_digest, root_packages)
     op_sources(nodes, probes, [accelerator, prefix, str(s["dsc_python_version"]), str(s["dsc_torch_version"]),
                                str(s["dsc_torch_variant"]), str(s["dsc_deepspeed_version"]), node_env.get("TORCH_CUDA_ARCH_LIST", "")])
-    slurm = slurm_plan(s, str(s["dsc_cluster_name"]), nodes, probes)
+    slurm = SlurmRecord(**slurm_plan(s, str(s["dsc_cluster_name"]), nodes, probes))
     return Plan(
         cluster_name=str(s["dsc_cluster_name"]),
-        nodes=nodes, node={n["name"]: n for n in nodes},
-        node_names=[n["name"] for n in nodes], addrs=[n["addr"] for n in nodes],
-        master=nodes[0]["name"], master_addr=nodes[0]["addr"], num_nodes=len(nodes),
-        world_size=sum(n["slots"] for n in nodes),
-        ssh_ports=sorted({n["ssh_port"] for n in nodes}),
+        nodes=nodes, node={n.name: n for n in nodes},
+        node_names=[n.name for n in nodes], addrs=[n.addr for n in nodes],
+        master=nodes[0].name, master_addr=nodes[0].addr, num_nodes=len(nodes),
+        world_size=sum(n.slots for n in nodes),
+        ssh_ports=sorted({n.ssh_port for n in nodes}),
         accelerator=accelerator, cuda_arch_list=";".join(caps),
         env_manager=manager, install_root=install_root,
         run_root=str(s["dsc_run_root"] or f"{install_root}/runs").rstrip("/"),
@@ -225,14 +225,14 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         master_port_first=int(s["dsc_master_port"]),
         master_port_last=int(s["dsc_master_port_last"]),
         slurm=slurm,
-        launcher=launch.record(nodes, nodes[0]["name"], slurm),
+        launcher=launch.record(nodes, nodes[0].name, slurm),
         firewall=as_bool(s["cluster_network_firewall"]),
         ssh_sources=s["cluster_network_ssh_sources"],
         node_env=node_env, rank_env=rank_env,
         # pip's (root's, for an env of root's): no cache of the training user's
         pip_env={k: v for k, v in node_env.items() if k not in ("TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR")},
         helper=INSTALLED_PATH, helper_src=helper_src, helper_sha256=helper_sha256,
-        runs=(probes.get(nodes[0]["name"]) or {}).get("runs") or [],
+        runs=runs_seen(probes.get(nodes[0].name)),
         notes=notes,
         run=None,
     )
@@ -290,10 +290,9 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     env_owner = _existing_env_owner(s, nodes, probes, problems)
     if problems.messages:
         if full_run:  # the run options' own problems too, all at once
-            partial = {"run_root": str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"),
-                       "master": names[0], "world_size": None}
-            runs = (probes.get(names[0]) or {}).get("runs") or []
-            _run(partial, s, launch, options or {}, defaults, paths, problems, runs, now, refuse_active, extra_vars)
+            partial = Unplanned(run_root=str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"), master=names[0])
+            _run(partial, s, launch, options or {}, defaults, paths, problems, runs_seen(probes.get(names[0])), now,
+                 refuse_active, extra_vars)
         else:
             problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
             if problem:
@@ -304,10 +303,10 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                          data, lock, launch, problems.notes)
     options = options or {}
     if full_run:
-        plan.run = _run(asdict(plan), s, launch, options, defaults, paths, problems, plan.runs, now,
+        plan.run = _run(plan, s, launch, options, defaults, paths, problems, plan.runs, now,
                         refuse_active, extra_vars)
         if plan.run:
-            launch.run_problems(plan.master, plan.nodes, plan.slurm, plan.run["id"],
+            launch.run_problems(plan.master, plan.nodes, plan.slurm, plan.run.id,
                                 probes.get(plan.master) or {}, problems)
     else:
         run_id, run_dir, problem = run_reference(str(options.get("run_id") or ""), plan.runs, plan.run_root)

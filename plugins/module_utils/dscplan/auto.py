@@ -214,15 +214,15 @@ MEASURED_TOLERANCE = 1.05
 def _earlier_measured(plan, key):
     """The largest measured-over-predicted ratio (above MEASURED_TOLERANCE) of earlier runs of the
     same key on any node, and those runs' records ({preset, micro_batch, world, measured, ...})."""
-    records = [dict(m, node=n["name"]) for n in plan["nodes"] for m in n.get("memory_records") or []
+    records = [dict(m, node=n.name) for n in plan.nodes for m in n.memory_records or []
                if m.get("key") == key and m.get("ratio")]
     worst = max((m["ratio"] for m in records), default=1.0)
     return (worst if worst > MEASURED_TOLERANCE else 1.0), records
 
 
 def predicted_peak(model, config, micro_batch, plan, bits):
-    per_node = max(n["slots"] for n in plan["nodes"])
-    return memory.predict(model["shape"], config, micro_batch, plan["world_size"], per_node, precision=bits,
+    per_node = max(n.slots for n in plan.nodes)
+    return memory.predict(model["shape"], config, micro_batch, plan.world_size, per_node, precision=bits,
                               attention=model["attention"], activation_checkpointing=model["checkpointing"],
                               dropout=model["dropout"], attention_dropout=model["attention_dropout"],
                               logits_fp32=model["logits_fp32"])["total"]
@@ -281,12 +281,12 @@ def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
         problems.add(f"dsc_auto_memory_gib is {opt.get('dsc_auto_memory_gib')!r}. Fix: the memory per "
                      f"rank preset=auto plans for, in GiB (e.g. 80), or 0 for the smallest GPU's.")
         return none
-    if plan["accelerator"] != "cuda" and not budget:
+    if plan.accelerator != "cuda" and not budget:
         problems.add("preset=auto chooses by GPU memory and the cluster has CPU nodes. Fix: name a "
                      "preset (-e preset=zero2), or give the memory per rank it may plan for "
                      "(-e dsc_auto_memory_gib=N: on CPU nodes the ranks share the host's memory).")
         return none
-    sizes = [n["gpu_memory_mib"] for n in plan["nodes"]]
+    sizes = [n.gpu_memory_mib for n in plan.nodes]
     if not budget and not all(sizes):
         problems.add("preset=auto: nvidia-smi did not report the GPUs' memory on every node. Fix: "
                      "name a preset, or give -e dsc_auto_memory_gib=N.")
@@ -298,29 +298,29 @@ def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
         smallest, where = budget * 1024, "dsc_auto_memory_gib"
     else:
         smallest = min(sizes)
-        where = next(n["name"] for n in plan["nodes"] if n["gpu_memory_mib"] == smallest)
+        where = next(n.name for n in plan.nodes if n.gpu_memory_mib == smallest)
     key = model_key(entry, model)
     ratio, records = _earlier_measured(plan, key)
     fixed = "dsc_micro_batch" in options
     micro_batches = [int(opt["dsc_micro_batch"])] if fixed and is_int(opt["dsc_micro_batch"]) else AUTO_MICRO_BATCHES
-    caps = [c for n in plan["nodes"] for c in n["compute_caps"]]
-    dtype = precision(plan["accelerator"], caps)
+    caps = [c for n in plan.nodes for c in n.compute_caps]
+    dtype = precision(plan.accelerator, caps)
     bits = "bf16" if dtype["bf16"]["enabled"] else "fp16" if dtype["fp16"]["enabled"] else "fp32"
     overrides = opt["dsc_ds_config_overrides"] if isinstance(opt["dsc_ds_config_overrides"], dict) else {}
     candidates, chosen = [], None
     # On CPU nodes the offload presets would move states into the same memory: not candidates.
-    offload = AUTO_OFFLOAD["one_gpu" if plan["world_size"] == 1 else "more"] if plan["accelerator"] == "cuda" else ()
+    offload = AUTO_OFFLOAD["one_gpu" if plan.world_size == 1 else "more"] if plan.accelerator == "cuda" else ()
     for group in (AUTO_PRESETS, offload):
         for mb in micro_batches:
             sizes_mb = batch(mb, opt["dsc_grad_accum"] if "dsc_grad_accum" in options else None,
-                             opt["dsc_train_batch"] if "dsc_train_batch" in options else None, plan["world_size"])
+                             opt["dsc_train_batch"] if "dsc_train_batch" in options else None, plan.world_size)
             if "error" in sizes_mb:
                 continue
             for name in group:
-                config = ds_config(paths["templates"], name, plan["accelerator"], caps, sizes_mb, overrides)
+                config = ds_config(paths["templates"], name, plan.accelerator, caps, sizes_mb, overrides)
                 need = predicted_peak(model, config, mb, plan, bits)
                 same = [m["measured"] for m in records if (m.get("preset"), m.get("micro_batch"), m.get("world"))
-                        == (name, mb, plan["world_size"]) and m.get("measured")]
+                        == (name, mb, plan.world_size) and m.get("measured")]
                 use = max(same) if same else int(need * ratio)
                 want = use / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
                 c = {"preset": name, "micro_batch": mb, "batch": sizes_mb, "predicted": int(need), "use": use,
@@ -348,7 +348,7 @@ def _memory_record(plan, opt, entry, s, config, model, resume):
     the key that a later preset=auto of the same code and model looks its measured peak up by;
     None where the model or the batch is not known (a script without a shape, HF's "auto"), on CPU
     nodes, and on resume (the run keeps its own)."""
-    if resume or config is None or plan["accelerator"] != "cuda" or plan["world_size"] is None:
+    if resume or config is None or plan.accelerator != "cuda" or plan.world_size is None:
         return None
     micro = config.get("train_micro_batch_size_per_gpu")
     if not is_int(micro) or not is_int(config.get("gradient_accumulation_steps", 1)):
@@ -360,7 +360,7 @@ def _memory_record(plan, opt, entry, s, config, model, resume):
             model = None
         if model is None:
             return None
-        dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
+        dtype = precision(plan.accelerator, [c for n in plan.nodes for c in n.compute_caps])
         model = dict(model, key=model_key(entry, model),
                      bits="bf16" if dtype["bf16"]["enabled"] else "fp16" if dtype["fp16"]["enabled"] else "fp32")
     try:
@@ -368,7 +368,7 @@ def _memory_record(plan, opt, entry, s, config, model, resume):
     except (ValueError, KeyError, TypeError):
         return None
     return {"key": model["key"], "preset": str(opt["preset"]), "micro_batch": int(micro),
-            "world": plan["world_size"], "predicted": int(predicted), "tolerance": MEASURED_TOLERANCE,
+            "world": plan.world_size, "predicted": int(predicted), "tolerance": MEASURED_TOLERANCE,
             "assumed": model["assumed"]}
 
 
@@ -387,12 +387,12 @@ def _step_down(plan, launcher_why, opt, options, paths, mode, ladder, overrides,
     if why:
         auto.append(f"  no step down after an out-of-memory error: {why}")
         return None
-    caps = [c for n in plan["nodes"] for c in n["compute_caps"]]
+    caps = [c for n in plan.nodes for c in n.compute_caps]
     steps = []
     for c in ladder:
         cfg = compose_config(mode, paths["templates"], c["preset"], set(options) | {"dsc_micro_batch"},
-                             plan["accelerator"], caps, c["batch"], overrides, user_config,
-                             plan["world_size"], Problems())
+                             plan.accelerator, caps, c["batch"], overrides, user_config,
+                             plan.world_size, Problems())
         if cfg is None:
             return None
         _run_sections(cfg, run_dir, as_bool(opt["dsc_tensorboard"]))

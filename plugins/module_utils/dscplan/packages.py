@@ -178,7 +178,7 @@ def lock_texts(lock):
 
 
 def already_there(probe, lock, wheelhouse_digest, root_packages=False):
-    """{lock_current, wheelhouse_current}: whether a node holds the lock's files and the
+    """(lock_current, wheelhouse_current): whether a node holds the lock's files and the
     wheelhouse's copy exactly as provision would put them there (the probe's `installed`, or
     `installed_root` for root's own folder, dscnode.probe), so that provision sends neither
     (roles/pytorch). `wheelhouse_digest`: dscnode.probe.tree_digest of dsc_wheelhouse on the
@@ -187,8 +187,7 @@ def already_there(probe, lock, wheelhouse_digest, root_packages=False):
     texts = lock_texts(lock)
     lock_current = bool(lock) and all(
         (have.get("lock") or {}).get(kind) == hashlib.sha256(texts[kind].encode()).hexdigest() for kind in LOCK_FILES)
-    return {"lock_current": lock_current,
-            "wheelhouse_current": wheelhouse_digest is not None and have.get("wheelhouse") == wheelhouse_digest}
+    return lock_current, wheelhouse_digest is not None and have.get("wheelhouse") == wheelhouse_digest
 
 
 def op_sources(nodes, probes, build):
@@ -202,13 +201,13 @@ def op_sources(nodes, probes, build):
     folder the training user planted does not count)."""
     kinds = {}
     for n in nodes:
-        probe = probes.get(n["name"]) or {}
-        identity = [probe.get("cpu") or n["name"], ",".join(sorted(n["compute_caps"])), *build]
-        n["ops_kind"] = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:12]
+        probe = probes.get(n.name) or {}
+        identity = [probe.get("cpu") or n.name, ",".join(sorted(n.compute_caps)), *build]
+        n.ops_kind = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:12]
         built = len((probe.get("installed") or {}).get("ops") or [])
-        kinds.setdefault(n["ops_kind"], []).append((n["rank"] != 0, -built, n["rank"], n["name"]))
+        kinds.setdefault(n.ops_kind, []).append((n.rank != 0, -built, n.rank, n.name))
     for n in nodes:
-        n["ops_source"] = min(kinds[n["ops_kind"]])[-1]
+        n.ops_source = min(kinds[n.ops_kind])[-1]
 
 
 def _lock(s, texts, where, problems, check_dir):

@@ -2,9 +2,111 @@
 playbooks). Their fields are the roles' contract: every key a role reads is declared here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from .launchers import LauncherRecord
+
+
+@dataclass
+class NodeRecord:
+    """One node as the plan derives it from its inventory values and its probe (topology.nodes),
+    in rank order; the roles read it as `dsc_plan.node[<name>]` and `dsc_plan.nodes[]`."""
+    name: str  # its inventory name (the hostfile's, /etc/hosts', ssh's)
+    rank: int  # its place in the hostfile: DeepSpeed's node rank
+    addr: str  # its training address (dsc_addr, else ansible_host)
+    slots: int  # ranks on it
+    ssh_port: int  # where its sshd listens for the master (dsc_ssh_port)
+    gpus: int  # GPUs nvidia-smi reports there
+    gpu_ids: list[int]  # dsc_gpus: the GPUs it uses ([]: all, or the first `slots`)
+    hostfile_slots: int  # the hostfile's slots= (its GPU count where dsc_gpus chooses)
+    compute_caps: list[str]  # its GPUs' compute capabilities
+    driver: str  # its NVIDIA driver ("" without a GPU)
+    gpu_memory_mib: int | None  # the smallest of the GPUs it uses (preset=auto)
+    iface: str  # the interface that holds its training address
+    infiniband: bool  # an InfiniBand device is there
+    rdma: list[dict]  # its RDMA ports (dscnode.probe.rdma): device, port, state, link_layer, gid_index
+    reachable: bool  # its probe answered (status.yml plans with nodes that did not)
+    ssh_host_keys: list[str]  # its SSH host keys ("type base64"), pinned in the master's known_hosts
+    probe_error: str  # why its probe gave no report ("" where it did)
+    helper_sha256: str | None  # the installed node helper's (the plan's own: no install)
+    run_root_links: list[str]  # links in its run root (never a run directory)
+    runs_with_secrets: list[str]  # the runs whose secrets file is there
+    memory_records: list[dict]  # each run's measured peaks there against its prediction (preset=auto)
+    firewall_backend: str = ""  # ufw or firewalld (cluster_network_firewall_backend; auto from its OS)
+    ipv6: bool = False  # the kernel has IPv6 (ufw's own test)
+    ufw_enabled: bool = False
+    ufw_rules: list[str] = field(default_factory=lambda: ["", ""])  # ufw's user.rules, user6.rules as the probe read them
+    local: bool = False  # the control node itself (ansible_connection local)
+    lock_current: bool = False  # it holds the lock's files as provision would write them
+    wheelhouse_current: bool = False  # its wheelhouse copy is the control node's
+    ops_kind: str = ""  # what its JIT-built ops depend on (packages.op_sources)
+    ops_source: str = ""  # the node of its kind that builds them
+    network_env: dict[str, str] = field(default_factory=dict)  # its own network settings for the ranks
+
+
+@dataclass
+class SlurmRecord:
+    """roles/slurm's configuration (dsc_slurm_install; dscplan.slurm.slurm_plan): the files are
+    empty where the toolkit does not install Slurm."""
+    install: bool
+    partition: str
+    account: str
+    controller: str  # the node slurmctld runs on (the master)
+    conf: str  # slurm.conf
+    gres_conf: str
+    cgroup_conf: str
+
+
+@dataclass
+class RunSeen:
+    """A run the master's probe found under the run root (dscnode.records.runs), newest first."""
+    id: str
+    mtime: float
+    started: bool  # its launcher log exists
+    active: bool  # its supervisor lives
+    finished: bool  # it exited 0
+    launch: dict | None  # its launch.json (what resume reads back: checked as typed)
+    memory: dict | None  # its predicted and measured peaks (dscnode.records.memory_summary)
+    secrets: bool  # its secrets file is there
+
+
+def runs_seen(probe):
+    """A node probe's runs (dscnode.records.runs) as records, newest first."""
+    names = [f.name for f in fields(RunSeen)]
+    return [RunSeen(**{k: r.get(k) for k in names}) for r in (probe or {}).get("runs") or [] if isinstance(r, dict)]
+
+
+@dataclass
+class RunRecord:
+    """The run a launch, resume or preflight starts (run.plan_run); the roles read it as
+    `dsc_plan.run` (roles/runs reads it through an alias of its own)."""
+    id: str
+    dir: str  # its directory, the same path on every node
+    preset: str
+    resume: bool
+    auto: list[str]  # what preset=auto chose and why (empty otherwise)
+    dry_run: bool
+    follow: bool
+    preflight: bool  # launch's fast checks first
+    max_restarts: int
+    batch: dict  # micro_batch, grad_accum, train_batch (or error)
+    ds_config: dict | None  # the composed ds_config (None: the script's own, or a resume's kept one)
+    config_mode: str  # dsc_ds_config_mode
+    ds_config_file: str  # the user's ds_config on the control node (file and hf modes)
+    code_dir: str
+    code_shared: bool
+    code_dest: str  # where the code lands in the run directory
+    workdir: str  # where the launcher runs (the code)
+    env: dict[str, str]  # the ranks' environment for this run
+    secrets_file: str
+    commands: dict[str, list[str]]  # {node: the DeepSpeed launcher's argv} where the launch mode starts one
+    start_args: dict[str, list[str]]  # {node: the node helper's start options}
+    code_archive: str  # the code as base64 tar.gz ("" when shared or on resume)
+    files: dict[str, str]  # the run directory's files (name -> text)
+    resume_files: dict[str, str]  # those a resume writes again (the launch mode's)
+    ds_env_file: str
+    log: str
+    allreduce_result: str
 
 
 @dataclass
@@ -13,8 +115,8 @@ class Plan:
     asdict() of it). Its fields are the keys roles/, playbooks/ and templates/ may read; a unit
     test fails on a `dsc_plan.<key>` there that is not one of them, and on a field none reads."""
     cluster_name: str
-    nodes: list[dict]  # a record per node in rank order (_nodes): name, rank, addr, slots, gpus, iface, probe_error, lock_current, wheelhouse_current, ...
-    node: dict[str, dict]  # the same records by inventory name
+    nodes: list[NodeRecord]  # a record per node, in rank order
+    node: dict[str, NodeRecord]  # the same records by inventory name
     node_names: list[str]  # in rank order, the master first
     addrs: list[str]  # the training addresses, in rank order
     master: str  # the inventory name of rank 0's node
@@ -64,7 +166,7 @@ class Plan:
     lock_texts: dict  # {wheels, sdists}: the lock's files as written on the nodes (roles/pytorch)
     master_port_first: int
     master_port_last: int
-    slurm: dict  # roles/slurm's configuration (dsc_slurm_install; dscplan.slurm): install, partition, account, controller, conf, gres_conf, cgroup_conf
+    slurm: SlurmRecord  # roles/slurm's configuration (dsc_slurm_install)
     launcher: LauncherRecord  # how runs start, are read and stop (the launch mode's module in dscplan.launchers)
     firewall: bool  # roles/cluster_network manages the host firewall (cluster_network_firewall)
     ssh_sources: list[str]  # cluster_network_ssh_sources
@@ -74,9 +176,9 @@ class Plan:
     helper: str  # the node helper's path on the nodes
     helper_src: str  # the built node helper on the control node (node_helper)
     helper_sha256: str
-    runs: list[dict]  # the runs under run_root on the master, newest first (its probe)
+    runs: list[RunSeen]  # the runs under run_root on the master, newest first (its probe)
     notes: list[str]  # what the plan saw and worked around (a file a probe left unread), said before the playbook goes on
-    run: dict | None  # launch, resume, preflight: the run to start (_run); None for the other playbooks
+    run: RunRecord | None  # launch, resume, preflight: the run to start; None for the other playbooks
 
 
 # Plan fields that no role, playbook or template reads, by design: ssh_ports is the plan's own

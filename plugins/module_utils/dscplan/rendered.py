@@ -71,10 +71,10 @@ def render(templates_dir, name, **values):
 
 def _rendered(paths, plan, env, problems):
     """The hostfile and .deepspeed_env from templates/, checked with DeepSpeed's own parsing."""
-    hostfile = render(paths["templates"], "hostfile.j2", nodes=plan["nodes"])
+    hostfile = render(paths["templates"], "hostfile.j2", nodes=plan.nodes)
     env_text = render(paths["templates"], "deepspeed_env.j2", env=env)
     try:
-        if len(parse_hostfile(hostfile)) != plan["num_nodes"]:
+        if len(parse_hostfile(hostfile)) != plan.num_nodes:
             problems.add("templates/hostfile.j2 renders a node count other than the cluster's. "
                          "Fix: one line per node in dsc_plan.nodes.")
         if parse_ds_env(env_text) != {k: str(v) for k, v in env.items() if str(v) != ""}:

@@ -6,6 +6,7 @@ import json
 import os
 import posixpath
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dscnode.rundir import SECRETS_DIR, RunDir
@@ -14,6 +15,7 @@ from dscnode.safe import SHELL_SAFE, latest_glob
 from .auto import _auto_preset, _memory_record, _step_down
 from .deepspeed_config import _run_sections, batch, compose_config, precision, presets, read_user_config
 from .problems import is_int
+from .record import RunRecord
 from .rendered import _rendered, code_archive
 from .settings import JSON_ONLY, RUN_OPTIONS, _abs_path, _control_paths, as_bool, templates_in
 
@@ -48,6 +50,17 @@ LAUNCHER_OPTIONS = {"--bind_cores_to_rank": False, "--bind_core_list": True, "--
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+@dataclass
+class Unplanned:
+    """What the run's checks know of a cluster whose own settings failed (no Plan): where runs
+    live. The run options are checked all the same, so that every problem comes at once."""
+    run_root: str
+    master: str
+    world_size: None = None
+    nodes: list = field(default_factory=list)
+    secret_names: list = field(default_factory=list)
+
+
 def _run_options(options, defaults, runs_seen, problems):
     """The run options: given ones, else the resumed run's launch spec, else the defaults."""
     opt = {k: options.get(k, defaults.get(k)) for k in RUN_OPTIONS}
@@ -55,8 +68,8 @@ def _run_options(options, defaults, runs_seen, problems):
     if as_bool(opt["resume"]):  # the run's own launch spec: the same entry, arguments, preset and
         # batch, except what this command gives explicitly (-e), e.g. more steps; never what
         # only a launch applies (its files keep the run's own: _refused_on_resume)
-        wanted = str(opt["run_id"] or "") or (runs_seen[0]["id"] if runs_seen else "")
-        spec = next((r.get("launch") for r in runs_seen if r["id"] == wanted), None) or {}
+        wanted = str(opt["run_id"] or "") or (runs_seen[0].id if runs_seen else "")
+        spec = next((r.launch for r in runs_seen if r.id == wanted), None) or {}
         spec = {k: v for k, v in spec.items() if k in LAUNCH_SPEC} if isinstance(spec, dict) else {}
         _recorded_spec_problems(spec, wanted, problems)
         opt.update({k: v for k, v in spec.items() if k not in options or k in LAUNCH_ONLY})
@@ -98,10 +111,10 @@ def _run_id(opt, preset, plan, runs_seen, now, problems):
     """The run id: given, else (resume) the newest run, else <preset>-<UTC time>; checked."""
     run_id = str(opt["run_id"] or "")
     if not run_id and as_bool(opt["resume"]):
-        run_id = runs_seen[0]["id"] if runs_seen else ""
+        run_id = runs_seen[0].id if runs_seen else ""
         if not run_id:
-            problems.add(f"run_id: no run to resume under {plan['run_root']} on "
-                         f"{plan['master']}. Fix: pass -e run_id=ID of an earlier run.")
+            problems.add(f"run_id: no run to resume under {plan.run_root} on "
+                         f"{plan.master}. Fix: pass -e run_id=ID of an earlier run.")
     if not run_id:
         run_id = f"{preset}-{now}"
     if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
@@ -203,11 +216,12 @@ def _config_choice(opt, problems, read=True):
 
 def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, queues, problems):
     """An active run (unless replace), a resume of an unknown run, a new run in a used directory."""
-    seen = {r["id"]: r for r in runs_seen}
-    active = [r["id"] for r in runs_seen if r.get("active")]
-    for node in plan.get("nodes") or []:
-        if run_id in node.get("run_root_links", ()):
-            problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} on {node['name']} is a "
+    seen = {r.id: r for r in runs_seen}
+    this = seen.get(run_id)
+    active = [r.id for r in runs_seen if r.active]
+    for node in plan.nodes or []:
+        if run_id in node.run_root_links:
+            problems.add(f"run_id {run_id!r}: {plan.run_root}/{run_id} on {node.name} is a "
                          f"symbolic link, not a run directory (a run's files would be written "
                          f"wherever it points). Fix: remove the link (check who planted it), or "
                          f"launch with another run_id.")
@@ -215,23 +229,23 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, queues, problem
     # job's alone).
     if refuse_active and active and active[0] != run_id and not as_bool(opt["replace"]) \
             and not as_bool(opt["dry_run"]) and not queues:
-        problems.add(f"run {active[0]} is active on {plan['master']}. Fix: stop it "
+        problems.add(f"run {active[0]} is active on {plan.master}. Fix: stop it "
                      f"(ansible-playbook stop.yml -e run_id={active[0]}), or launch with "
                      f"-e replace=true to stop and replace it.")
     if as_bool(opt["resume"]) and run_id not in seen and run_id:
-        problems.add(f"run_id {run_id!r}: no such run under {plan['run_root']} on "
-                     f"{plan['master']} to resume. Fix: the id of an earlier run "
+        problems.add(f"run_id {run_id!r}: no such run under {plan.run_root} on "
+                     f"{plan.master} to resume. Fix: the id of an earlier run "
                      f"({', '.join(list(seen)[:5]) or 'none there'}).")
-    elif as_bool(opt["resume"]) and seen.get(run_id, {}).get("active"):
-        problems.add(f"run_id {run_id!r} is still running on {plan['master']}: resuming it would "
+    elif as_bool(opt["resume"]) and (this and this.active):
+        problems.add(f"run_id {run_id!r} is still running on {plan.master}: resuming it would "
                      f"start a second copy. Fix: follow it (status.yml -e run_id={run_id} "
                      f"-e follow=true), or stop it first (stop.yml -e run_id={run_id}).")
-    elif as_bool(opt["resume"]) and seen.get(run_id, {}).get("finished") and not as_bool(opt["force"]):
-        problems.add(f"run_id {run_id!r} finished on {plan['master']}; resuming it would train "
+    elif as_bool(opt["resume"]) and (this and this.finished) and not as_bool(opt["force"]):
+        problems.add(f"run_id {run_id!r} finished on {plan.master}; resuming it would train "
                      f"past its end and rewrite its summary. Fix: add -e force=true, with more "
                      f"steps than it ran, or launch a new run.")
-    elif not as_bool(opt["resume"]) and seen.get(run_id, {}).get("started"):
-        problems.add(f"run_id {run_id!r}: {plan['run_root']}/{run_id} already holds a run (its "
+    elif not as_bool(opt["resume"]) and (this and this.started):
+        problems.add(f"run_id {run_id!r}: {plan.run_root}/{run_id} already holds a run (its "
                      f"metrics and checkpoints would mix with a new run's). Fix: resume it "
                      f"(ansible-playbook resume.yml -e run_id={run_id}) or launch with another "
                      f"run_id.")
@@ -248,11 +262,11 @@ def _resume_secrets(run_id, plan, runs_seen, problems):
     not given, the run's own file (0600, beside it) is used, on every node, or resume refuses,
     naming the secrets: ranks never start without them silently. A run launched without any
     refuses them: its kept .deepspeed_env does not tell the ranks to load secrets."""
-    run = next((r for r in runs_seen if r["id"] == run_id), None)
-    if run is None or "nodes" not in plan:
+    run = next((r for r in runs_seen if r.id == run_id), None)
+    if run is None or isinstance(plan, Unplanned):
         return False
-    recorded = sorted(map(str, (run.get("launch") or {}).get("secret_names") or []))
-    given = plan.get("secret_names") or []
+    recorded = sorted(map(str, (run.launch or {}).get("secret_names") or []))
+    given = plan.secret_names or []
     if given and not recorded:
         problems.add(f"dsc_secrets: run {run_id!r} was launched without secrets, and a resume keeps "
                      f"the run's files, the ranks' environment (.deepspeed_env, which DeepSpeed's "
@@ -268,14 +282,14 @@ def _resume_secrets(run_id, plan, runs_seen, problems):
                          f"which its ranks would start without. Fix: give every one of them (the "
                          f"resume writes the run's secrets anew), or none: the run's own are used.")
         return True
-    having = [n["name"] for n in plan["nodes"] if run_id in n.get("runs_with_secrets", ())]
+    having = [n.name for n in plan.nodes if run_id in n.runs_with_secrets]
     if not recorded and not having:
         return False
-    lacking = [n["name"] for n in plan["nodes"] if n["reachable"] and n["name"] not in having]
+    lacking = [n.name for n in plan.nodes if n.reachable and n.name not in having]
     if lacking:
         names = ", ".join(recorded) or "secrets"
         problems.add(f"dsc_secrets: run {run_id!r} was launched with {names}, and its secrets file "
-                     f"({secrets_path(plan['run_root'], run_id)}) is gone on {', '.join(lacking)}: "
+                     f"({secrets_path(plan.run_root, run_id)}) is gone on {', '.join(lacking)}: "
                      f"its ranks would start without {'them' if recorded else 'theirs'}. Fix: give "
                      f"dsc_secrets again ({names}: the vault file, or -e @file); the resume "
                      f"writes them anew on every node.")
@@ -286,23 +300,23 @@ def _commands(plan, launcher, run_dir, entry, config_arg, resume):
     """{node: the DeepSpeed launcher's argv} on each node that starts one (the launch mode's
     choice). Each rank runs the node helper's entry shim (secrets, progress), which runs the
     user's script or module in the same process."""
-    runner = [posixpath.dirname(plan["python"]) + "/deepspeed",
-                "--hostfile", f"{run_dir}/{RunDir.HOSTFILE}", "--master_addr", plan["master_addr"]]
-    if len(plan["ssh_ports"]) == 1 and plan["ssh_ports"][0] != 22:
-        runner += ["--ssh_port", str(plan["ssh_ports"][0])]
-    if plan["num_nodes"] == 1:
+    runner = [posixpath.dirname(plan.python) + "/deepspeed",
+                "--hostfile", f"{run_dir}/{RunDir.HOSTFILE}", "--master_addr", plan.master_addr]
+    if len(plan.ssh_ports) == 1 and plan.ssh_ports[0] != 22:
+        runner += ["--ssh_port", str(plan.ssh_ports[0])]
+    if plan.num_nodes == 1:
         runner += ["--no_ssh_check"]
-    if any(n["gpu_ids"] for n in plan["nodes"]):  # DeepSpeed's NAME:SLOT[,SLOT]@NAME...
+    if any(n.gpu_ids for n in plan.nodes):  # DeepSpeed's NAME:SLOT[,SLOT]@NAME...
         runner += ["--include", "@".join(
-            f"{n['name']}:{','.join(map(str, n['gpu_ids'] or range(n['slots'])))}" for n in plan["nodes"])]
+            f"{n.name}:{','.join(map(str, n.gpu_ids or range(n.slots)))}" for n in plan.nodes)]
     runner += entry["launcher_args"]
     train_run = entry["module"] == "train.run" and not entry["script"]
-    program = [plan["helper"], "entry"] \
+    program = [plan.helper, "entry"] \
         + (["--script", entry["script"]] if entry["script"] else ["--module", entry["module"]]) \
         + ([config_arg, f"{run_dir}/{RunDir.DS_CONFIG}"] if config_arg.startswith("--") else []) \
         + (["--config", f"{run_dir}/{RunDir.TRAIN_CONFIG}"] if train_run else []) \
         + entry["args"] + (entry["resume_args"] if resume else [])
-    return launcher.commands(plan["nodes"], plan["master"], runner, program)
+    return launcher.commands(plan.nodes, plan.master, runner, program)
 
 
 def _check_restarts(opt, launcher, problems):
@@ -326,12 +340,12 @@ def _ds_config_overrides(opt, problems):
 def _run_env(plan, run_id, run_dir, secrets, config_arg):
     """The ranks' environment: the cluster's, the run's id and directory, and accelerate's own
     variables where the config goes to it through the environment."""
-    env = dict(plan["rank_env"], DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
+    env = dict(plan.rank_env, DSC_RUN_ID=run_id, DSC_RUN_DIR=run_dir)
     if secrets:  # the run's own, kept beside it (the supervisor's restarts keep this env)
         env["DSC_SECRETS"] = "1"
     if config_arg == "env":  # accelerate's own variables, as `accelerate launch` sets them; its
         # "auto" precision follows ACCELERATE_MIXED_PRECISION: the hardware's, as for presets
-        dtype = precision(plan["accelerator"], [c for n in plan["nodes"] for c in n["compute_caps"]])
+        dtype = precision(plan.accelerator, [c for n in plan.nodes for c in n.compute_caps])
         env.update(ACCELERATE_USE_DEEPSPEED="true",
                    ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{run_dir}/{RunDir.DS_CONFIG}",
                    ACCELERATE_MIXED_PRECISION="bf16" if dtype["bf16"]["enabled"]
@@ -352,18 +366,10 @@ def _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text)
         RunDir.RUN_ID: run_id + "\n",
         # with the names (never the values) of its secrets: resume checks they are there
         RunDir.LAUNCH: json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
-                                       secret_names=plan["secret_names"]),
+                                       secret_names=plan.secret_names),
                                   indent=2, sort_keys=True) + "\n",
         RunDir.DS_ENV: env_text,
     }
-
-
-def _run_paths(run_dir):
-    """The run files the roles name, by their paths: the ranks' environment file (DeepSpeed's
-    runner reads DS_ENV_FILE), the launcher's log (the launch message) and train.allreduce's
-    result (preflight.yml reads it on the master)."""
-    return {"ds_env_file": f"{run_dir}/{RunDir.DS_ENV}", "log": f"{run_dir}/{RunDir.LOG}",
-            "allreduce_result": f"{run_dir}/{RunDir.ALLREDUCE}"}
 
 
 def _preset(plan, s, opt, options, paths, entry, resume, problems):
@@ -371,7 +377,7 @@ def _preset(plan, s, opt, options, paths, entry, resume, problems):
     preset=auto's choice (kept in opt and options: launch.json keeps it, so resume and restarts
     take the same preset and batch)."""
     preset = str(opt["preset"])
-    if preset == "auto" and not resume and plan["world_size"] is not None:
+    if preset == "auto" and not resume and plan.world_size is not None:
         chosen, micro_batch, auto, ladder, model = _auto_preset(plan, opt, options, paths, entry, problems, s)
         if chosen:
             preset = opt["preset"] = chosen
@@ -400,9 +406,9 @@ def _run(plan, s, launcher, options, defaults, paths, problems, runs_seen, now, 
     overrides = _ds_config_overrides(opt, problems)
     mode, config_arg, user_config = _config_choice(opt, problems, read=not resume)
     sizes = {}
-    if plan["world_size"] is not None:  # None: the nodes' own problems come first
+    if plan.world_size is not None:  # None: the nodes' own problems come first
         sizes = batch(opt["dsc_micro_batch"], opt["dsc_grad_accum"], opt["dsc_train_batch"],
-                      plan["world_size"])
+                      plan.world_size)
         # The toolkit's batch applies to presets, and to a user's config only where given (-e).
         if "error" in sizes and (mode == "preset" or any(
                 k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
@@ -417,12 +423,12 @@ def _run(plan, s, launcher, options, defaults, paths, problems, runs_seen, now, 
             problems.add(str(e))
     if problems.messages:
         return None
-    run_dir = f"{plan['run_root']}/{run_id}"
+    run_dir = f"{plan.run_root}/{run_id}"
     # A resume keeps the run's own ds_config.json (written at its launch): none is composed.
     config = None if resume else compose_config(
-        mode, paths["templates"], preset, set(options), plan["accelerator"],
-        [c for n in plan["nodes"] for c in n["compute_caps"]], sizes, overrides, user_config,
-        plan["world_size"], problems)
+        mode, paths["templates"], preset, set(options), plan.accelerator,
+        [c for n in plan.nodes for c in n.compute_caps], sizes, overrides, user_config,
+        plan.world_size, problems)
     # The code lands in <run_dir>/code; a package entry (train.run from train/) keeps its folder
     # name so that `python -m train.run` finds it.
     code_base = os.path.basename(os.path.normpath(entry["code_dir"]))
@@ -434,32 +440,33 @@ def _run(plan, s, launcher, options, defaults, paths, problems, runs_seen, now, 
     if config is not None:
         _run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
     memory = _memory_record(plan, opt, entry, s, config, model, resume)
-    step_down = _step_down(plan, launcher.step_down_why(plan["num_nodes"] or 0), opt, options, paths, mode,
+    step_down = _step_down(plan, launcher.step_down_why(plan.num_nodes or 0), opt, options, paths, mode,
                            ladder, overrides, user_config, run_dir, auto)
     env = _run_env(plan, run_id, run_dir, secrets, config_arg)
     hostfile, env_text = _rendered(paths, plan, env, problems)
     commands = _commands(plan, launcher, run_dir, entry, config_arg, resume)
-    start_args = launcher.start_args(plan["nodes"], commands, opt, plan["run_root"], plan["py_spy"], entry["resume_args"])
+    start_args = launcher.start_args(plan.nodes, commands, opt, plan.run_root, plan.py_spy, entry["resume_args"])
     workdir = entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}"
     launch_files = launcher.files(plan, run_id, run_dir, workdir, commands, start_args, env,
                                   (int(opt["max_restarts"]), int(opt["restart_backoff_s"])))
     files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text), **launch_files)
-    return {
-        "id": run_id, "dir": run_dir, "preset": preset, "resume": resume, "auto": auto,
-        "dry_run": as_bool(opt["dry_run"]),
-        "follow": as_bool(opt["follow"]), "preflight": as_bool(opt["preflight"]),
-        "max_restarts": int(opt["max_restarts"]), "batch": sizes,
-        "ds_config": config, "config_mode": mode,
-        "ds_config_file": str(opt["dsc_ds_config_file"] or ""),
-        "code_dir": entry["code_dir"], "code_shared": entry["shared"],
-        "code_dest": f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
-        "workdir": workdir, "env": env,
-        "secrets_file": secrets_path(plan["run_root"], run_id),
-        "commands": commands, "start_args": start_args, "code_archive": archive, "files": files,
+    return RunRecord(
+        id=run_id, dir=run_dir, preset=preset, resume=resume, auto=auto,
+        dry_run=as_bool(opt["dry_run"]), follow=as_bool(opt["follow"]), preflight=as_bool(opt["preflight"]),
+        max_restarts=int(opt["max_restarts"]), batch=sizes, ds_config=config, config_mode=mode,
+        ds_config_file=str(opt["dsc_ds_config_file"] or ""),
+        code_dir=entry["code_dir"], code_shared=entry["shared"],
+        code_dest=f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
+        workdir=workdir, env=env, secrets_file=secrets_path(plan.run_root, run_id),
+        commands=commands, start_args=start_args, code_archive=archive, files=files,
         # A resume keeps the run's files, but the launch mode's: its commands carry the resume.
-        "resume_files": launch_files,
-        **_run_paths(run_dir),
-    }
+        resume_files=launch_files,
+        # the run files the roles name: the ranks' environment file (DeepSpeed's runner reads
+        # DS_ENV_FILE), the launcher's log (the launch message) and train.allreduce's result
+        # (preflight.yml reads it on the master)
+        ds_env_file=f"{run_dir}/{RunDir.DS_ENV}", log=f"{run_dir}/{RunDir.LOG}",
+        allreduce_result=f"{run_dir}/{RunDir.ALLREDUCE}",
+    )
 
 
 def run_reference(run_id, runs, run_root):
@@ -472,7 +479,7 @@ def run_reference(run_id, runs, run_root):
             return None, None, (f"run_id is {run_id!r}. Fix: 1-64 letters, digits, '.', '_' and "
                                 f"'-', starting with a letter or digit.")
     else:
-        run_id = next((r["id"] for r in runs if r.get("active")), "")
+        run_id = next((r.id for r in runs if r.active), "")
     return (run_id or None), (f"{run_root}/{run_id}" if run_id else None), None
 
 
@@ -481,7 +488,7 @@ def _plot_runs(given, run_id, plan, problems):
     if not isinstance(given, list):
         problems.add(f"plot_runs is {given!r}. Fix: a list of run ids, e.g. [\"zero2-a\", \"zero3-b\"].")
         return []
-    known = [r["id"] for r in plan.runs]
+    known = [r.id for r in plan.runs]
     for wanted in map(str, given):
         if wanted not in known:
             problems.add(f"plot_runs: no run {wanted!r} under {plan.run_root} on {plan.master}. "

@@ -29,8 +29,8 @@ def slurm_problems(s, nodes, probes, where, problems):
     Slurm refuses is the slurm launcher's (launchers/slurm.py)."""
     if as_bool(s["dsc_slurm_install"]):
         for n in nodes:
-            if n["reachable"] and (probes.get(n["name"]) or {}).get("systemd") is False:
-                problems.add(f"dsc_slurm_install on host {n['name']} is true, but systemd does not run "
+            if n.reachable and (probes.get(n.name) or {}).get("systemd") is False:
+                problems.add(f"dsc_slurm_install on host {n.name} is true, but systemd does not run "
                              f"there (no /run/systemd/system): the toolkit runs munge, slurmctld and "
                              f"slurmd as systemd services. Fix: boot the node with systemd, or set "
                              f"dsc_slurm_install: false and use the site's own Slurm (or "
@@ -54,12 +54,12 @@ def slurm_plan(s, cluster_name, nodes, probes):
         return {"install": False, **names, "controller": "", "conf": "", "gres_conf": "", "cgroup_conf": ""}
     cgroup = as_bool(s["dsc_slurm_cgroup"])
     # The GPUs Slurm may give a job on each node: dsc_gpus' choice, else every one nvidia-smi lists.
-    gpu_ids = {n["name"]: n["gpu_ids"] or list(range(n["gpus"])) for n in nodes}
+    gpu_ids = {n.name: n.gpu_ids or list(range(n.gpus)) for n in nodes}
     lines = [
         "# Written by the toolkit (roles/slurm) from the inventory and each node's probe: the same on",
         "# every node. Change the inventory and run provision.yml again, not this file.",
         f"ClusterName={cluster_name.lower()}",
-        f"SlurmctldHost={nodes[0]['name']}({nodes[0]['addr']})",
+        f"SlurmctldHost={nodes[0].name}({nodes[0].addr})",
         "AuthType=auth/munge",
         "CryptoType=crypto/munge",
         "SlurmUser=slurm",
@@ -86,16 +86,16 @@ def slurm_plan(s, cluster_name, nodes, probes):
         *(["GresTypes=gpu"] if any(gpu_ids.values()) else []),
     ]
     for n in nodes:
-        probe = probes.get(n["name"]) or {}
+        probe = probes.get(n.name) or {}
         memory = int((probe.get("memory_mib") or 0) * MEMORY_KEPT)
-        lines.append(" ".join([f"NodeName={n['name']}", f"NodeAddr={n['addr']}",
+        lines.append(" ".join([f"NodeName={n.name}", f"NodeAddr={n.addr}",
                                f"CPUs={int(probe.get('cpus') or 1)}",
                                *([f"RealMemory={memory}"] if memory else []),
-                               *([f"Gres=gpu:{len(gpu_ids[n['name']])}"] if gpu_ids[n["name"]] else []),
+                               *([f"Gres=gpu:{len(gpu_ids[n.name])}"] if gpu_ids[n.name] else []),
                                "State=UNKNOWN"]))
-    lines.append(f"PartitionName={s['dsc_slurm_partition']} Nodes={','.join(n['name'] for n in nodes)} "
+    lines.append(f"PartitionName={s['dsc_slurm_partition']} Nodes={','.join(n.name for n in nodes)} "
                  f"Default=YES MaxTime=INFINITE State=UP")
-    gres = [f"NodeName={n['name']} Name=gpu File=/dev/nvidia{i}" for n in nodes for i in gpu_ids[n["name"]]]
-    return {"install": True, **names, "controller": nodes[0]["name"],
+    gres = [f"NodeName={n.name} Name=gpu File=/dev/nvidia{i}" for n in nodes for i in gpu_ids[n.name]]
+    return {"install": True, **names, "controller": nodes[0].name,
             "conf": "\n".join(lines) + "\n", "gres_conf": "\n".join(gres) + "\n" if gres else "",
             "cgroup_conf": "CgroupPlugin=autodetect\nConstrainCores=yes\nConstrainDevices=yes\n" if cgroup else ""}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from .record import NodeRecord
 from .problems import is_int, shown
 from .settings import CLUSTER_GROUP, as_bool, setting
 
@@ -99,33 +100,26 @@ def _nodes(names, hostvars, defaults, probes, problems, probe_errors):
         if not is_int(port) or not 0 < int(port) < 65536:
             problems.add(f"dsc_ssh_port on host {name} is {shown(port)}. Fix: a TCP port 1-65535.")
             port = 22
-        nodes.append({
-            "name": name, "rank": rank, "addr": addr, "slots": int(slots), "ssh_port": int(port),
-            "gpus": len(gpus), "gpu_ids": gpu_ids,
+        nodes.append(NodeRecord(
+            name=name, rank=rank, addr=addr, slots=int(slots), ssh_port=int(port),
+            gpus=len(gpus), gpu_ids=gpu_ids,
             # DeepSpeed's hostfile counts a node's GPUs from 0; a selection is passed as --include.
-            "hostfile_slots": len(gpus) if gpu_ids else int(slots),
-            "compute_caps": sorted({str(g.get("compute_cap", "")) for g in gpus} - {""}),
-            "driver": (gpus[0].get("driver") if gpus else "") or "",
-            # The smallest of the GPUs used (MiB; None where nvidia-smi did not say): preset=auto.
-            "gpu_memory_mib": min((g.get("memory_mib") or 0 for g in gpus
-                                   if not gpu_ids or int(g.get("index", -1)) in gpu_ids), default=0) or None,
-            "iface": interface_for(addr, probe.get("interfaces") or {}),
-            "infiniband": bool(probe.get("infiniband")), "rdma": list(probe.get("rdma") or []),
-            "reachable": reachable,
-            # Its SSH host keys ("type base64"), pinned in the master's known_hosts.
-            "ssh_host_keys": list(probe.get("ssh_host_keys") or []),
-            # Why the probe gave no report ("" where it did): preflight's unreachable row says it.
-            "probe_error": "" if reachable else str(probe_errors.get(name, "")),
-            # The node helper installed there is this repository's (else launch installs it).
-            "helper_sha256": probe.get("helper_sha256"),
-            # Symbolic links in the run root: never a run directory (see _refused_starts).
-            "run_root_links": list(probe.get("run_root_links") or []),
-            # The runs whose secrets file is there (resume uses it: _resume_secrets).
-            "runs_with_secrets": [r["id"] for r in probe.get("runs") or [] if r.get("secrets")],
-            # Each run's measured peaks on this node against its prediction (preset=auto reads them).
-            "memory_records": [dict(r["memory"], run_id=r["id"]) for r in probe.get("runs") or []
-                               if isinstance(r.get("memory"), dict)],
-        })
+            hostfile_slots=len(gpus) if gpu_ids else int(slots),
+            compute_caps=sorted({str(g.get("compute_cap", "")) for g in gpus} - {""}),
+            driver=(gpus[0].get("driver") if gpus else "") or "",
+            gpu_memory_mib=min((g.get("memory_mib") or 0 for g in gpus
+                                if not gpu_ids or int(g.get("index", -1)) in gpu_ids), default=0) or None,
+            iface=interface_for(addr, probe.get("interfaces") or {}),
+            infiniband=bool(probe.get("infiniband")), rdma=list(probe.get("rdma") or []),
+            reachable=reachable,
+            ssh_host_keys=list(probe.get("ssh_host_keys") or []),
+            probe_error="" if reachable else str(probe_errors.get(name, "")),
+            helper_sha256=probe.get("helper_sha256"),
+            run_root_links=list(probe.get("run_root_links") or []),
+            runs_with_secrets=[r["id"] for r in probe.get("runs") or [] if r.get("secrets")],
+            memory_records=[dict(r["memory"], run_id=r["id"]) for r in probe.get("runs") or []
+                            if isinstance(r.get("memory"), dict)],
+        ))
     return nodes
 
 
@@ -136,24 +130,24 @@ FIREWALL_AUTO = {"debian": "ufw", "ubuntu": "ufw", "rhel": "firewalld", "fedora"
 
 
 def _firewall_backends(nodes, probes, s, check, problems):
-    """Each node's firewall (node["firewall_backend"]: cluster_network_firewall_backend, auto taken
+    """Each node's firewall (node.firewall_backend: cluster_network_firewall_backend, auto taken
     from its OS). With `check` and the firewall managed: refused where auto knows no firewall for
     the OS, or where the other firewall runs (two fight over the same tables, and the one not
     managed here keeps the site's rules in force unseen)."""
     wanted = str(s["cluster_network_firewall_backend"])
     for node in nodes:
-        seen = (probes.get(node["name"]) or {}).get("firewalls") or {}
+        seen = (probes.get(node.name) or {}).get("firewalls") or {}
         ids = seen.get("os") or []
         backend = wanted if wanted != "auto" else next((FIREWALL_AUTO[i] for i in ids if i in FIREWALL_AUTO), "")
-        node["firewall_backend"] = backend
+        node.firewall_backend = backend
         # What ufw.yml reads before it changes anything, as the probe read it (no module call).
-        node["ipv6"] = bool(seen.get("ipv6"))
-        node["ufw_enabled"] = bool(seen.get("ufw"))
+        node.ipv6 = bool(seen.get("ipv6"))
+        node.ufw_enabled = bool(seen.get("ufw"))
         rules = seen.get("ufw_rules") if backend == "ufw" else None
-        node["ufw_rules"] = [str(t) for t in rules[:2]] if isinstance(rules, list) and len(rules) == 2 else ["", ""]
-        if not check or not as_bool(s["cluster_network_firewall"]) or not node["reachable"]:
+        node.ufw_rules = [str(t) for t in rules[:2]] if isinstance(rules, list) and len(rules) == 2 else ["", ""]
+        if not check or not as_bool(s["cluster_network_firewall"]) or not node.reachable:
             continue
-        where = f"cluster_network_firewall_backend on host {node['name']} is {wanted!r}"
+        where = f"cluster_network_firewall_backend on host {node.name} is {wanted!r}"
         os_ids = " ".join(ids) or "no /etc/os-release"
         if not backend:
             problems.add(f"{where}, and auto knows no firewall for its OS ({os_ids}). Fix: ufw or "
@@ -205,9 +199,9 @@ def network_env(nodes):
     the interface that holds its training address (NCCL's and gloo's), its ACTIVE RDMA ports
     (NCCL_IB_HCA, where a node has one) and, for RoCE, the index of their IPv4 RoCE v2 GID
     (NCCL_IB_GID_INDEX). A node without one gets ''."""
-    ifaces = [n["iface"] for n in nodes]
+    ifaces = [n.iface for n in nodes]
     env = {"NCCL_SOCKET_IFNAME": ifaces, "GLOO_SOCKET_IFNAME": ifaces}
-    active = [[p for p in n.get("rdma") or [] if p.get("state") == "ACTIVE"] for n in nodes]
+    active = [[p for p in n.rdma or [] if p.get("state") == "ACTIVE"] for n in nodes]
     if any(active):
         env["NCCL_IB_HCA"] = [",".join(f"{p['device']}:{p['port']}" for p in ports) for ports in active]
     gids = [next((str(p["gid_index"]) for p in ports if p.get("gid_index") is not None), "") for ports in active]

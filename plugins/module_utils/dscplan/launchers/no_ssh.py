@@ -10,14 +10,14 @@ from .base import Launcher, LauncherRecord
 
 def per_node(nodes, launcher, program):
     """Every node's own launcher, with its rank among the nodes."""
-    return {n["name"]: launcher + ["--no_ssh", "--node_rank", str(n["rank"])] + program for n in nodes}
+    return {n.name: launcher + ["--no_ssh", "--node_rank", str(n.rank)] + program for n in nodes}
 
 
 class NoSsh(Launcher):
     mode = "no_ssh"
 
     def record(self, nodes, master, slurm):
-        names = [n["name"] for n in nodes]
+        names = [n.name for n in nodes]
         return LauncherRecord(name=self.mode, start_nodes=names, peers=[], log_nodes=names,
                               ssh_mesh=False, queue=None)
 

@@ -11,7 +11,7 @@ class Pdsh(Launcher):
     mode = "pdsh"
 
     def record(self, nodes, master, slurm):
-        names = [n["name"] for n in nodes]
+        names = [n.name for n in nodes]
         return LauncherRecord(name=self.mode, start_nodes=[master], peers=names, log_nodes=[master],
                               ssh_mesh=True, queue=None)
 
@@ -19,4 +19,4 @@ class Pdsh(Launcher):
         return {master: launcher + program}
 
     def supervised_hosts(self, nodes, node):
-        return [n["name"] for n in nodes]
+        return [n.name for n in nodes]

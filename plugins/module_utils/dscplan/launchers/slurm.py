@@ -24,8 +24,8 @@ class Slurm(Launcher):
         return ["--slurm"]
 
     def record(self, nodes, master, slurm):
-        return LauncherRecord(name=self.mode, start_nodes=[], peers=[], log_nodes=[n["name"] for n in nodes],
-                              ssh_mesh=False, queue=QueueRecord(partition=slurm["partition"], job_prefix=JOB_PREFIX))
+        return LauncherRecord(name=self.mode, start_nodes=[], peers=[], log_nodes=[n.name for n in nodes],
+                              ssh_mesh=False, queue=QueueRecord(partition=slurm.partition, job_prefix=JOB_PREFIX))
 
     def commands(self, nodes, master, launcher, program):
         return per_node(nodes, launcher, program)
@@ -34,7 +34,7 @@ class Slurm(Launcher):
         return 0  # the batch job restarts every node's task together, never one supervisor alone
 
     def cluster_problems(self, nodes, where, problems):
-        counts = {n["name"]: len(n["gpu_ids"]) or n["gpus"] for n in nodes if n["reachable"]}
+        counts = {n.name: len(n.gpu_ids) or n.gpus for n in nodes if n.reachable}
         if len(set(counts.values())) > 1:
             detail = ", ".join(f"{k} {v}" for k, v in counts.items())
             problems.add(f"dsc_launch_mode {where} is 'slurm' but the nodes' GPU counts differ ({detail}): "
@@ -42,7 +42,7 @@ class Slurm(Launcher):
                          f"node (dsc_gpus), or dsc_launch_mode pdsh.")
 
     def run_problems(self, master, nodes, slurm, run_id, probe, problems):
-        node_problems(master, slurm["partition"], [n["name"] for n in nodes], run_id, probe.get("slurm"), problems)
+        node_problems(master, slurm.partition, [n.name for n in nodes], run_id, probe.get("slurm"), problems)
 
     def step_down_why(self, num_nodes):
         return f"dsc_launch_mode {self.mode} (each node's launcher runs on its own)" if num_nodes > 1 else ""
@@ -98,16 +98,16 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
     latest complete checkpoint, after a backoff that doubles (as the supervisor's, up to 600 s);
     the run directory's `restarting` mark says so meanwhile (status, follow)."""
     most, backoff = restarts
-    gpus = {len(n["gpu_ids"]) or n["gpus"] for n in plan["nodes"]}
-    names = ",".join(plan["node_names"])
+    gpus = {len(n.gpu_ids) or n.gpus for n in plan.nodes}
+    names = ",".join(plan.node_names)
     q = shlex.quote
     batch = [
         "#!/bin/bash",
         f"# Run {run_id}, written by the toolkit (launch.yml submits it with sbatch on the master).",
         f"#SBATCH --job-name={JOB_PREFIX}{run_id}",
-        f"#SBATCH --partition={plan['slurm']['partition']}",
-        *([f"#SBATCH --account={plan['slurm']['account']}"] if plan["slurm"]["account"] else []),
-        f"#SBATCH --nodes={plan['num_nodes']}",
+        f"#SBATCH --partition={plan.slurm.partition}",
+        *([f"#SBATCH --account={plan.slurm.account}"] if plan.slurm.account else []),
+        f"#SBATCH --nodes={plan.num_nodes}",
         f"#SBATCH --nodelist={names}",
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --exclusive",
@@ -117,9 +117,9 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
         "set -u",
         "attempt=0",
         "while :; do",
-        f"  port=$(srun --nodes=1 --ntasks=1 --nodelist={q(plan['master'])} {q(plan['helper'])} free-port "
-        f"{plan['master_port_first']} {plan['master_port_last']}) || exit 3",
-        f"  srun --nodes={plan['num_nodes']} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        f"  port=$(srun --nodes=1 --ntasks=1 --nodelist={q(plan.master)} {q(plan.helper)} free-port "
+        f"{plan.master_port_first} {plan.master_port_last}) || exit 3",
+        f"  srun --nodes={plan.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
         f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\" \"$attempt\" && exit 0",
         f"  [ \"$attempt\" -lt {most} ] || exit 1",
         "  attempt=$((attempt + 1))",
@@ -136,7 +136,7 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
             *(f"export {k}={q(str(v))}" for k, v in sorted(dict(env, DS_ENV_FILE=f"{run_dir}/{RunDir.DS_ENV}").items())),
             'case "$SLURMD_NODENAME" in']
     for node, cmd in commands.items():
-        argv = [plan["helper"], "start", run_dir, run_id, "--foreground", "--port", "$1", "--attempt", "$2",
+        argv = [plan.helper, "start", run_dir, run_id, "--foreground", "--port", "$1", "--attempt", "$2",
                 *start_args[node], "--", *cmd]
         task.append(f"  {node}) exec " + " ".join(f'"{a}"' if a in ("$1", "$2") else q(a) for a in argv) + " ;;")
     task += [f'  *) echo "node $SLURMD_NODENAME is not one of run {run_id}\'s nodes ({names})" >&2; exit 2 ;;',
