@@ -1,7 +1,7 @@
 """Every tier's time, where it goes: each test's set-up, call and tear-down seconds appended to
-$DSC_TIMINGS (scripts/test.sh sets it; scripts/timings.py prints the slowest ten and the totals
-per tier at the end of every run). The container tier's playbooks add their own lines there
-(plugins/callback/dsc_timings.py)."""
+$DSC_TIMINGS (scripts/suite.py sets it; scripts/timings.py prints the slowest ten and the totals
+per tier at the end of every run and keeps them in .cache/suite-times.jsonl). The container
+tier's playbooks add their own lines there (plugins/callback/dsc_timings.py)."""
 import json
 import os
 import time
@@ -11,6 +11,14 @@ from pathlib import Path
 TIERS = {"tests/unit": "unit", "tests/local": "local", "molecule/tests": "container",
          "molecule/default/tests": "molecule verify"}
 _seen = {}
+# Under pytest-xdist a worker's reports reach the controller, which runs this hook for them again:
+# the controller alone writes them (a worker's config carries its workerinput).
+_worker = False
+
+
+def pytest_configure(config):
+    global _worker
+    _worker = hasattr(config, "workerinput")
 
 
 def _tier(nodeid):
@@ -19,7 +27,7 @@ def _tier(nodeid):
 
 def pytest_runtest_logreport(report):
     path = os.environ.get("DSC_TIMINGS")
-    if not path:
+    if not path or _worker:
         return
     row = _seen.setdefault(report.nodeid, {"kind": "test", "tier": _tier(report.nodeid), "test": report.nodeid})
     row[report.when] = round(report.duration, 2)

@@ -2,7 +2,7 @@
 # Build the Debian 12 node image for the test cluster (mmdebstrap + podman import), and on it the
 # systemd node image (molecule/node-systemd.Containerfile: systemd, dbus, firewalld), both cached:
 # an existing image tagged $DSC_IMAGE / $DSC_SYSTEMD_IMAGE is kept unless REBUILD=1. mmdebstrap
-# rather than debootstrap: it fetches with apt, in parallel (here 22 s against 43, 21 CPU s against 36).
+# rather than debootstrap: it fetches with apt, in parallel, in about half the time and CPU.
 #   molecule/build-image.sh [all|base|systemd]      # all (the default): base, then systemd on it
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -7,9 +7,10 @@ address and sshd, reached over SSH with a key and a pinned known_hosts, as a use
     python3 molecule/cluster.py image              # make (or reuse) the provisioned node image
     python3 molecule/cluster.py systemd-layer      # and the systemd layer on it (test_slurm's nodes)
 
-The inventory lands in $DSC_TEST_STATE (default .cache/testcluster)/inventory. Node 2 runs sshd on a
-non-default port, so that every test also exercises the port plumbing. A container named
-`dsc-outsider` sits on the same network but not in the inventory (for the firewall scope test).
+The inventory lands in $DSC_TEST_STATE (default .cache/testcluster, .cache/testcluster1 for the
+second cluster: cluster_index)/inventory. Node 2 runs sshd on a non-default port, so that every
+test also exercises the port plumbing. A container named `dsc-outsider` sits on the same network
+but not in the inventory (for the firewall scope test).
 The network carries IPv6 too (a ULA subnet, a fixed address per container, recorded in
 cluster.json as ip6): the firewall is checked over both families.
 """
@@ -28,9 +29,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Two clusters can run side by side (scripts/test.sh splits the container tier between them):
-# $DSC_TEST_CLUSTER (0, the default, or 1) picks the containers' names, network and state.
-INDEX = int(os.environ.get("DSC_TEST_CLUSTER", "0"))
+
+
+def cluster_index():
+    """Which cluster this process drives: $DSC_TEST_CLUSTER where set (this file's commands, bench/),
+    else the pytest-xdist worker's number ($PYTEST_XDIST_WORKER: gw0 the first cluster, gw1 the
+    second), else 0. Each cluster has its own containers' names, network and state, so the
+    container tier's two workers (scripts/suite.py runs it with -n 2) each drive their own."""
+    if os.environ.get("DSC_TEST_CLUSTER"):
+        return int(os.environ["DSC_TEST_CLUSTER"])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") else 0
+
+
+INDEX = cluster_index()
 SUFFIX = str(INDEX) if INDEX else ""
 STATE = Path(os.environ.get("DSC_TEST_STATE", ROOT / ".cache" / f"testcluster{SUFFIX}"))
 IMAGE = os.environ.get("DSC_IMAGE", "localhost/dscluster-node:bookworm")
@@ -99,10 +111,9 @@ def _runs_in(pid, cid):
 def enter(name, user=None):
     """argv that runs a command inside a running container as `podman exec [--user]` does (its
     namespaces, the image's environment, the user's own groups and home) without podman's client,
-    conmon and runc for every call: on an idle test cluster here `podman exec` took 0.14-0.15 CPU s
-    of the machine a call, nsenter 0.01, and a suite makes some 2,000 such calls. The PID is checked
-    against the container's id on every call (a restarted container has a new one); None when the
-    container is not running."""
+    conmon and runc for every call, which cost the machine over ten times as much CPU as nsenter,
+    and a suite makes thousands of such calls. The PID is checked against the container's id on
+    every call (a restarted container has a new one); None when the container is not running."""
     for fresh in (False, True):
         if fresh or name not in _ENTERED:
             r = sh("podman", "inspect", "--format", "{{.Id}} {{.State.Pid}} {{json .Config.Env}}", name, check=False)
@@ -294,7 +305,15 @@ def provisioned_tag():
 def provisioned_image():
     """(tag, output of the provision.yml that made it): the image made now, or the one a suite
     made before from the same inputs. Older provisioned images are removed (their systemd layers
-    with them)."""
+    with them). Made under a lock: the container tier's two workers each ask for it, and the
+    second, once the first has made it, reuses it."""
+    (ROOT / ".cache").mkdir(exist_ok=True)
+    with open(ROOT / ".cache" / "provisioned-image.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _provisioned_image()
+
+
+def _provisioned_image():
     tag = provisioned_tag()
     log = ROOT / ".cache" / f"{tag.rsplit(':', 1)[1]}.log"
     if sh("podman", "image", "exists", tag, check=False).returncode == 0 and log.exists():

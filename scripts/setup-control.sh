@@ -27,8 +27,8 @@ fi
 write_paths
 # Every package pinned with its sha256 (scripts/lock.sh writes the lock from control.txt); a pip
 # failure fails this script (only the "is ignored" notes of a site's unreachable extra index are
-# left out of its output). Byte-compiled after, all but the bundled collections' 15,000 files
-# (20 CPU s): Ansible's collection loader compiles the few it loads from their source itself.
+# left out of its output). Byte-compiled after, all but the bundled collections' 15,000 files:
+# Ansible's collection loader compiles the few it loads from their source itself.
 "$venv/bin/pip" install -q --disable-pip-version-check --require-hashes --no-deps --no-compile \
   -r "$here/requirements/control.lock" 2> >(grep -v 'is ignored' >&2)
 "$venv/bin/python" -m compileall -qq -x '/ansible_collections/' "$(purelib)" || true

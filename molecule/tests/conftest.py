@@ -1,6 +1,9 @@
 """Fixtures for the container cluster: brought up once per session (molecule/cluster.py), provisioned
 once with the project's own playbooks over SSH, and shared by the provision, network and launch
-tests. DSC_KEEP_CLUSTER=1 keeps it after the session."""
+tests. DSC_KEEP_CLUSTER=1 keeps it after the session. Under pytest-xdist (the suite runs this tier
+with -n 2) each worker is a session of its own with a cluster of its own (cluster_index): these
+fixtures run once per worker, and nothing here starts before a test asks for it, so collecting
+starts no container."""
 import json
 import os
 import sys
@@ -54,7 +57,7 @@ FIGURES = Path(os.environ.get("DSC_TEST_FIGURES", ROOT / ".cache" / "test-figure
 @pytest.fixture(scope="session")
 def figures():
     """Record what a test measured (times, bandwidths, messages) as one JSON line in
-    .cache/test-figures.jsonl; scripts/test.sh prints the file after the run."""
+    .cache/test-figures.jsonl (both workers append to it); the suite prints it after the run."""
     def record(test, **values):
         FIGURES.parent.mkdir(parents=True, exist_ok=True)
         with FIGURES.open("a") as f:

@@ -2,7 +2,7 @@
 DeepSpeed and ninja, on real op builds: a node that is not its kind's source leaves an op it would
 have to build for the source to ship ("awaits"), and loads a shipped copy without building it.
 
-    DSC_TIERS=local bash scripts/test.sh -k warm
+    .venv/bin/pytest tests/local/test_warm.py -v
 """
 import json
 import os
