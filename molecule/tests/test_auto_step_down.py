@@ -3,6 +3,8 @@ does not fail the run; the supervisor relaunches every node at the next configur
 ladder and the run's records keep the one that trained."""
 import json
 
+from cluster import HELPER
+
 RUNS = "/opt/dscluster/runs"
 # What auto is told of the model (its candidates come from this; the script's real model is tiny):
 # on CPU nodes with 16 GiB per rank, auto chooses micro-batch 8 and steps down to 4, then 2.
@@ -41,10 +43,14 @@ def test_an_out_of_memory_error_in_the_first_steps_steps_down_and_trains(provisi
     assert "steps down to: zero3 micro-batch 4, then zero3 micro-batch 2" in r.output
     assert "step down 1: zero3 micro-batch 8 ran out of memory" in r.output and "OutOfMemoryError" in r.output
     launch = json.loads(cluster.exec(cluster.master, f"cat {RUNS}/auto-oom/launch.json").stdout)
-    assert (launch["preset"], launch["dsc_micro_batch"]) == ("zero3", 4)  # what trained
-    for n in cluster.names:  # every node ran the stepped-down configuration
-        cfg = json.loads(cluster.exec(n, f"cat {RUNS}/auto-oom/ds_config.json").stdout)
+    assert (launch["preset"], launch["dsc_micro_batch"]) == ("zero3", 8)  # what was launched, never rewritten
+    log = cluster.exec(cluster.master, f"cat {RUNS}/auto-oom/launcher.log").stdout
+    for n in cluster.names:  # every node ran the stepped-down configuration, written there at launch
+        cfg = json.loads(cluster.exec(n, f"cat {RUNS}/auto-oom/ds_config.step1.json").stdout)
         assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (4, 4), n
+        assert any(line.startswith(f"{n}: ") and "ds_config.step1.json" in line for line in log.splitlines()), n
     status = cluster.playbook("status.yml", "-e", "run_id=auto-oom")
     assert "run auto-oom: finished" in status.output and "(restarts" not in status.output, status.output[-3000:]
+    trained = json.loads(cluster.exec(cluster.master, f"{HELPER} status {RUNS}/auto-oom auto-oom", user="dstrain").stdout)
+    assert trained["config"] == "preset zero3" and trained["step_downs"][-1]["next"]["micro_batch"] == 4  # what trained
     assert "step down 1: zero3 micro-batch 8 ran out of memory" in status.output

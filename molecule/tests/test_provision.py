@@ -43,8 +43,12 @@ def test_ds_report_kept_and_jit_cache_warm(provisioned, cluster):
         out = host.run(f"cd {EXT_DIR} && stat -c '%n %Y' */*.so").stdout
         libs[name] = dict(line.split() for line in out.splitlines())
         assert any("shm_comm" in p for p in libs[name]) and any("fused_adam" in p for p in libs[name]), libs
-        # the warm-up's record of its complete answer (a provision that changes nothing answers from it)
-        assert json.loads(host.file("/opt/dscluster/warm.json").content_string)["out"]["ops"] == ["deepspeed_shm_comm", "fused_adam"]
+        # the warm-up's record of its complete answer (a provision that changes nothing answers from
+        # it), kept by root where the training user cannot change it, each library by its sha256
+        record = host.file("/var/lib/dscluster/warm.json")
+        assert (record.user, record.mode) == ("root", 0o644) and not host.file("/opt/dscluster/warm.json").exists
+        kept = json.loads(record.content_string)
+        assert kept["out"]["ops"] == ["deepspeed_shm_comm", "fused_adam"] and len(kept["libs"]["fused_adam"]["sha256"]) == 64
     # Built once, on the image's node; in the cluster's provision node1 found them built and the
     # others (their cache emptied by the fixture) got node1's build, loaded without a build: the
     # same libraries with the same times, and no warm-up changed anything.

@@ -31,7 +31,6 @@ built file). Every command prints one JSON object.
                                                # every rank's Python stack here (as the training
                                                # user), saved in RUN_DIR/stacks/
     dsc_node.pyz write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
-    dsc_node.pyz step-down RUN_DIR INDEX       # preset=auto's ladder step INDEX becomes the run's config
     dsc_node.pyz files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
     dsc_node.pyz log RUN_DIR RUN_ID [--lines N] [--hosts H1,H2] [--wait S]
                                                # the log's last N lines per node, its raw tail, the state
@@ -153,9 +152,6 @@ def parser():
     p = action("write-exit", _write_exit, "the run's exit code, recorded on a worker")
     p.add_argument("run_dir")
     p.add_argument("code", type=int)
-    p = action("step-down", _step_down, "preset=auto's ladder step INDEX becomes the run's config")
-    p.add_argument("run_dir")
-    p.add_argument("index", type=int)
     p = action("files", _files, "the run's files but its code and checkpoints")
     p.add_argument("run_dir")
     p = action("log", _log, "the log's last lines per node, its raw tail, the state")
@@ -253,13 +249,6 @@ def _write_exit(a):
     from dscnode.rundir import RunDir, write_atomic
     if os.path.isdir(a.run_dir):
         write_atomic(RunDir(a.run_dir) / RunDir.EXIT, f"{a.code}\n")
-
-
-def _step_down(a):
-    """preset=auto's next configuration, on a worker (the supervisor's)."""
-    from dscnode.supervisor import apply_step
-    if os.path.isdir(a.run_dir):
-        print(json.dumps(apply_step(a.run_dir, a.index)))
 
 
 def _files(a):

@@ -13,6 +13,7 @@ import atexit
 import importlib.util
 import json
 import os
+import re
 import runpy
 import socket
 import sys
@@ -64,18 +65,34 @@ class EngineWatch:
 
     MEASURE_STEPS = 3  # each rank's peak is recorded after each of its first optimizer steps
 
-    def __init__(self, path, every=2.0, measured=None):
+    def __init__(self, path, every=2.0, measured=None, argv=()):
         self.path, self.every = Path(path), every
         self.measured = Path(measured) if measured else None
-        try:
-            self.config = json.loads((self.path.parent / RunDir.MEMORY).read_text())
-        except (OSError, ValueError):
-            self.config = {}
+        self.config = self.configuration(self.path.parent, argv)
         self.loss, self.micro = None, 0
         self.step = self.written_step = 0
         self.time, self.samples = time.time(), 0
         self.engine = None
         self.total_steps = None  # where the script's trainer says it (watch_trainer)
+
+    @staticmethod
+    def configuration(run_dir, argv):
+        """The preset and micro-batch this rank's peaks are recorded for: memory.json's (the
+        plan's prediction), or, where the rank was started with a later step's ds_config of
+        preset=auto's ladder (the supervisor's attempt after a step down), that step's (auto.json)."""
+        try:
+            config = json.loads((run_dir / RunDir.MEMORY).read_text())
+        except (OSError, ValueError):
+            return {}
+        steps = [int(m.group(1)) for arg in argv
+                 if (m := re.fullmatch(re.escape(str(run_dir)) + r"/ds_config\.step(\d+)\.json", str(arg)))]
+        if steps:
+            try:
+                step = json.loads((run_dir / RunDir.AUTO).read_text())["ladder"][steps[0]]
+                config = dict(config, preset=step["preset"], micro_batch=step["micro_batch"])
+            except (OSError, ValueError, KeyError, IndexError, TypeError):
+                pass
+        return config
 
     TOTAL_ENV = "DSC_TOTAL_STEPS"  # a script's own total (train.run sets it before its first step)
 
@@ -362,7 +379,8 @@ def entry(args, local_rank=()):
     patches = {"accelerate.state": accelerate_on_cpu,
                "cpuinfo": CpuInfoOnce(os.environ.get("TORCH_EXTENSIONS_DIR"))}
     if run_dir:
-        watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED)
+        watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED,
+                            argv=rest)
         patches["deepspeed.runtime.engine"] = watch
         patches["transformers.trainer_callback"] = watch.watch_trainer
         patches["deepspeed.ops.op_builder.builder"] = OpBuildWatch(RunDir(run_dir) / RunDir.OP_BUILDS)

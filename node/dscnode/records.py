@@ -25,13 +25,31 @@ from dscnode.rundir import (
 )
 
 
+def trained_with(run_dir):
+    """What a preset=auto run trains with now, read where it is written once (one writer: the
+    master's supervisor appends each step down to step_downs.jsonl; the plan wrote the ladder,
+    auto.json, at launch): the ladder's step, its preset, micro-batch, predicted peak and ds_config
+    file; None for a run without a ladder (it trains with its launch's configuration)."""
+    ladder = (read_json(RunDir(run_dir) / RunDir.AUTO) or {}).get("ladder")
+    if not isinstance(ladder, list) or not ladder:
+        return None
+    index = min(len(step_downs(run_dir)), len(ladder) - 1)
+    step = ladder[index] if isinstance(ladder[index], dict) else {}
+    return {"step": index, "preset": step.get("preset"), "micro_batch": step.get("micro_batch"),
+            "predicted": step.get("predicted"), "ds_config": RunDir.step_config(index)}
+
+
 def memory_summary(run_dir):
-    """The run's predicted peak per GPU (memory.json) against its ranks' measured ones on this node
-    (memory.jsonl, those of the configuration memory.json names now): predicted, measured (the
-    largest rank's), ratio, over (by more than the tolerance, 5 %) and a line that says so; None
-    where neither is there."""
+    """The run's predicted peak per GPU (memory.json; that of the ladder step it trains at, after a
+    step down) against its ranks' measured ones on this node (memory.jsonl, those of that
+    configuration): predicted, measured (the largest rank's), ratio, over (by more than the
+    tolerance, 5 %) and a line that says so; None where neither is there."""
     run = RunDir(run_dir)
     predicted = read_json(run / RunDir.MEMORY) or {}
+    trained = trained_with(run_dir)
+    if predicted and trained and trained["step"]:
+        predicted = dict(predicted, preset=trained["preset"], micro_batch=trained["micro_batch"],
+                         predicted=trained["predicted"])
     peaks = {}
     try:
         for text in read_text(run / RunDir.MEASURED, LINES_LIMIT).splitlines():
@@ -75,6 +93,7 @@ def runs(run_root):
         out.append({"id": e.name, "mtime": e.stat(follow_symlinks=False).st_mtime,
                     "started": (d / RunDir.LOG).exists(), "active": bool(pid_alive(d / RunDir.PID)),
                     "finished": finished, "launch": read_json(d / RunDir.LAUNCH),
+                    "trained": trained_with(e.path),
                     "memory": memory_summary(e.path),
                     "secrets": has_secrets(e.path)})
     return sorted(out, key=lambda r: r["mtime"], reverse=True)
@@ -245,7 +264,7 @@ def config_label(run):
     if not isinstance(launch, dict):
         return None
     if launch.get("dsc_ds_config_mode", "preset") == "preset":
-        return f"preset {launch.get('preset')}"
+        return f"preset {(trained_with(run.path) or launch).get('preset')}"
     stage = (read_json(run / RunDir.ENGINE) or {}).get("zero_stage")
     return f"ZeRO stage {stage}" if isinstance(stage, int) else "its own ZeRO stage"
 

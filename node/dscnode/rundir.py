@@ -35,9 +35,9 @@ class RunDir:
     MEMORY = "memory.json"        # the plan's predicted peak per GPU (and preset=auto's key)
     MEASURED = "memory.jsonl"     # each rank's max_memory_allocated after its first steps (entry)
     AUTO = "auto.json"            # preset=auto's step-down ladder and the step that runs
-    STEP_DOWNS = "step_downs.jsonl"  # each out-of-memory step down: the attempt, its cause, the next
+    STEP_DOWNS = "step_downs.jsonl"  # each out-of-memory step down (the master's supervisor alone writes it): what the run trains with
     RUN_ID = "run_id"             # the run's id; its mtime is when the run was written (status's started)
-    DS_CONFIG = "ds_config.json"  # the DeepSpeed config the plan composed (a step down rewrites it)
+    DS_CONFIG = "ds_config.json"  # the DeepSpeed config the plan composed (preset=auto's first step)
     HOSTFILE = "hostfile"         # DeepSpeed's hostfile, nodes in rank order
     DS_ENV = ".deepspeed_env"     # the ranks' environment, which DeepSpeed's runner reads (DS_ENV_FILE)
     TRAIN_CONFIG = "train.json"   # train.run's settings (dsc_train_config)
@@ -50,6 +50,12 @@ class RunDir:
     SLURM_TASK = "slurm_task.sh"  # and the task it runs on each node (this node's launcher)
     RESTARTING = "restarting"     # slurm mode: the batch job restarts every node (its next attempt)
     OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)
+
+    @staticmethod
+    def step_config(index):
+        """The ds_config of preset=auto's ladder step `index` (the plan writes every step's at
+        launch; the supervisor's attempts take the one of the step the run is at)."""
+        return RunDir.DS_CONFIG if int(index) == 0 else f"ds_config.step{int(index)}.json"
 
     def __init__(self, path):
         self.path = Path(path)

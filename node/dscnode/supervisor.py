@@ -16,6 +16,7 @@ import time
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
 from dscnode.safe import SHELL_SAFE, latest_glob
+from dscnode.records import step_downs
 from dscnode.rundir import RunDir, append_line, last_line, read_json, size_of, write_atomic
 from dscnode.stacks import at_stall
 
@@ -208,7 +209,9 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     env = dict(os.environ, DSC_RUN_ID=run_id, DSC_RUN_DIR=str(run.path))
     restarts_file = run / RunDir.RESTARTS
     restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0
-    attempt = list(cmd)
+    # At the ladder step the run is at (a resumed or restarted run that stepped down keeps it).
+    base = at_step(cmd, run, len(step_downs(run.path)))
+    attempt = list(base)
     while True:
         # Where this attempt's output starts, taken before the spawn: its first failure line is
         # never missed, and status reads the latest attempt's error, not an earlier one's.
@@ -225,12 +228,13 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
                 cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
         if code == 0 or (run / RunDir.STOPPED).exists():
             break
-        down = step_down(run, hosts, seen.get("oom"), code)
-        if down:  # preset=auto: the next configuration of its ladder, from the start
+        down = step_down(run, seen.get("oom"), code)
+        if down is not None:  # preset=auto: the next configuration of its ladder, from the start
             teardown(run_id, list(hosts))
             if (run / RunDir.STOPPED).exists():
                 break
-            attempt = list(cmd)
+            base = at_step(cmd, run, down)
+            attempt = list(base)
             continue
         if restarts >= max_restarts:
             break
@@ -246,7 +250,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         time.sleep(wait)
         if (run / RunDir.STOPPED).exists():
             break
-        attempt = with_resume(cmd, resume_args)
+        attempt = with_resume(base, resume_args)
     record_exit(run, code)
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)
@@ -262,16 +266,17 @@ def run_steps(run):
     return max(steps) if steps else None
 
 
-def step_down(run, hosts, oom, code):
+def step_down(run, oom, code):
     """preset=auto's answer to an out-of-memory error in the first steps (none past FIRST_STEPS):
-    the next step of auto.json's ladder on every node (step-down), recorded in step_downs.jsonl
-    and said in the log; False where it does not apply (no ladder, the ladder spent, another
-    error, a run that already trained)."""
+    the next step of auto.json's ladder, recorded in step_downs.jsonl (the one record of what the
+    run trains with: this supervisor alone writes it) and said in the log; its index, or None
+    where it does not apply (no ladder, the ladder spent, another error, a run that already
+    trained). The plan wrote every step's ds_config at launch: no file is rewritten."""
     ladder = read_json(run / RunDir.AUTO) or {}
-    steps, index = ladder.get("ladder") or [], int(ladder.get("index", 0))
-    at = run_steps(run)
+    steps, at = ladder.get("ladder") or [], run_steps(run)
+    index = len(step_downs(run.path))
     if not oom or index + 1 >= len(steps) or (at is not None and at > FIRST_STEPS):
-        return False
+        return None
     was, nxt = steps[index], steps[index + 1]
     record = {"attempt": index + 1, "time": round(time.time(), 3), "exit_code": code, "at_step": at,
               "preset": was["preset"], "micro_batch": was["micro_batch"], "cause": oom,
@@ -280,28 +285,14 @@ def step_down(run, hosts, oom, code):
     print(f"[dsc_node] out of memory in the first steps at {was['preset']} micro-batch "
           f"{was['micro_batch']}: stepping down to {nxt['preset']} micro-batch {nxt['micro_batch']} "
           f"(step {index + 1} of {len(steps) - 1} of preset=auto's ladder)", flush=True)
-    apply_step(run.path, index + 1)
-    on_others(hosts, "step-down", str(run.path), str(index + 1))
-    return True
+    return index + 1
 
 
-def apply_step(run_dir, index):
-    """The ladder's step `index` becomes the run's configuration on this node: ds_config.json,
-    memory.json's prediction and launch.json's preset and micro-batch (what resume starts)."""
-    run = RunDir(run_dir)
-    ladder = read_json(run / RunDir.AUTO) or {}
-    step = (ladder.get("ladder") or [])[int(index)]
-    write_atomic(run / RunDir.DS_CONFIG, json.dumps(step["ds_config"], indent=2, sort_keys=True) + "\n")
-    memory = read_json(run / RunDir.MEMORY)
-    if memory:
-        memory.update(preset=step["preset"], micro_batch=step["micro_batch"], predicted=step["predicted"])
-        write_atomic(run / RunDir.MEMORY, json.dumps(memory, indent=2, sort_keys=True) + "\n")
-    launch = read_json(run / RunDir.LAUNCH)
-    if launch:
-        launch.update(preset=step["preset"], dsc_micro_batch=step["micro_batch"])
-        write_atomic(run / RunDir.LAUNCH, json.dumps(launch, indent=2, sort_keys=True) + "\n")
-    write_atomic(run / RunDir.AUTO, json.dumps(dict(ladder, index=int(index)), sort_keys=True) + "\n")
-    return {"ok": True, "preset": step["preset"], "micro_batch": step["micro_batch"]}
+def at_step(cmd, run, index):
+    """The command with the ds_config of preset=auto's ladder step `index` (every node runs the
+    master's command: its ranks read that step's file, which the plan wrote on every node)."""
+    first, this = str(run / RunDir.DS_CONFIG), str(run / RunDir.step_config(index))
+    return [this if arg == first else arg for arg in cmd]
 
 
 class Unfailing:

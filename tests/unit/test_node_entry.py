@@ -349,3 +349,16 @@ def test_each_node_takes_its_own_value_of_the_per_node_settings():
     env = {"DSC_NODE_NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1//mlx5_0:1"}  # no CROSS_RANK: one node, node 0
     entry.node_env(env)
     assert env == {"NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1"}
+
+
+def test_a_ranks_peaks_are_labelled_with_the_ladder_step_its_command_names(tmp_path):
+    """After a step down the supervisor starts the ranks with that step's ds_config: each rank
+    labels its measured peaks with that step's preset and micro-batch (auto.json), memory.json's
+    otherwise; nothing is rewritten for it."""
+    (tmp_path / "memory.json").write_text(json.dumps({"preset": "zero1", "micro_batch": 16, "predicted": 1}))
+    (tmp_path / "auto.json").write_text(json.dumps({"ladder": [{"preset": "zero1", "micro_batch": 16},
+                                                               {"preset": "zero2", "micro_batch": 8}]}))
+    first = ["--deepspeed_config", str(tmp_path / "ds_config.json")]
+    assert entry.EngineWatch.configuration(tmp_path, first)["micro_batch"] == 16
+    stepped = entry.EngineWatch.configuration(tmp_path, ["--deepspeed_config", str(tmp_path / "ds_config.step1.json")])
+    assert (stepped["preset"], stepped["micro_batch"], stepped["predicted"]) == ("zero2", 8, 1)

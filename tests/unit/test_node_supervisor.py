@@ -105,56 +105,62 @@ def test_the_exit_code_is_recorded_on_a_disk_too_full_for_a_new_file(tmp_path, m
 
 
 def ladder(run, micro_batches=(16, 8, 4)):
+    """preset=auto's files as the plan writes them at launch: the ladder, every step's ds_config."""
     steps = [{"preset": f"zero{i + 1}", "micro_batch": mb, "grad_accum": 64 // mb, "train_batch": 64,
-              "predicted": mb * 2 ** 30, "ds_config": {"train_micro_batch_size_per_gpu": mb}}
-             for i, mb in enumerate(micro_batches)]
-    (run / "auto.json").write_text(json.dumps({"ladder": steps, "index": 0}))
-    (run / "ds_config.json").write_text(json.dumps(steps[0]["ds_config"]))
+              "predicted": mb * 2 ** 30} for i, mb in enumerate(micro_batches)]
+    (run / "auto.json").write_text(json.dumps({"ladder": steps}))
+    for i, mb in enumerate(micro_batches):
+        (run / rundir.RunDir.step_config(i)).write_text(json.dumps({"train_micro_batch_size_per_gpu": mb}))
     (run / "memory.json").write_text(json.dumps({"key": "k", "preset": "zero1", "micro_batch": 16, "predicted": 1}))
     (run / "launch.json").write_text(json.dumps({"preset": "zero1", "dsc_micro_batch": 16, "dsc_train_batch": 64}))
 
 
 def test_an_out_of_memory_error_in_the_first_steps_steps_down_preset_autos_ladder(tmp_path):
     """The supervisor (max_restarts 0): a rank's torch.OutOfMemoryError at micro-batch 16 and 8
-    does not fail the run: each attempt steps down the ladder (ds_config, memory.json and
-    launch.json on this node), is recorded with its cause and shown by status; micro-batch 4
-    trains and the run finishes with the configuration that trained in its launch record."""
+    does not fail the run: each attempt steps down the ladder, recorded with its cause in
+    step_downs.jsonl (its one writer), the next attempt started with that step's ds_config (which
+    the plan wrote at launch), and shown by status; micro-batch 4 trains and the run finishes.
+    No file the plan wrote is rewritten: launch.json says what was launched, trained_with what
+    trained."""
     root = tmp_path / "runs"
     run = root / "auto1"
     run.mkdir(parents=True)
     ladder(run)
-    script = launcher_script(tmp_path, 'if grep -q \'"train_micro_batch_size_per_gpu": 4\' "$DSC_RUN_DIR/ds_config.json"; '
+    written = {f.name: f.read_text() for f in run.iterdir()}
+    script = launcher_script(tmp_path, 'for a in "$@"; do case "$a" in *.json) cfg=$a;; esac; done\n'
+                                       'if grep -q \'"train_micro_batch_size_per_gpu": 4\' "$cfg"; '
                                        'then echo trained; exit 0; fi\n'
                                        'echo "node1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"\n'
                                        'echo "node1: [launch] exits with return code = 1"; exit 1')
-    started = helper("start", run, "auto1", "--run-root", root, "--ports", 29820, 29830, "--", script)
+    started = helper("start", run, "auto1", "--run-root", root, "--ports", 29820, 29830, "--", script,
+                     "--deepspeed_config", run / "ds_config.json")
     assert started.returncode == 0, started.stderr
     assert wait_for(run / "exit_code", 30)
     assert (run / "exit_code").read_text().strip() == "0", (run / "launcher.log").read_text()
     downs = [json.loads(x) for x in (run / "step_downs.jsonl").read_text().splitlines()]
     assert [(d["preset"], d["micro_batch"], d["next"]["micro_batch"]) for d in downs] == [("zero1", 16, 8), ("zero2", 8, 4)]
     assert all("torch.OutOfMemoryError" in d["cause"] for d in downs)
-    assert json.loads((run / "launch.json").read_text())["dsc_micro_batch"] == 4
-    assert json.loads((run / "launch.json").read_text())["preset"] == "zero3"
-    assert json.loads((run / "memory.json").read_text())["micro_batch"] == 4
-    assert json.loads((run / "auto.json").read_text())["index"] == 2
+    assert {name: (run / name).read_text() for name in written} == written  # nothing rewritten
+    assert records.trained_with(run) == {"step": 2, "preset": "zero3", "micro_batch": 4, "predicted": 4 * 2 ** 30,
+                                         "ds_config": "ds_config.step2.json"}
     st = records.status(run, "auto1")
     assert st["state"] == "finished" and st["restarts"] == 0 and len(st["step_downs"]) == 2
+    assert st["config"] == "preset zero3" and st["memory"]["preset"] == "zero3" and st["memory"]["micro_batch"] == 4
     assert "stepping down to zero2 micro-batch 8" in (run / "launcher.log").read_text()
 
 
 def test_no_step_down_for_another_error_a_run_past_its_first_steps_or_a_spent_ladder(tmp_path):
     run = rundir.RunDir(tmp_path)
     ladder(tmp_path)
-    assert not supervisor.step_down(run, [], None, 1)  # not out of memory
+    assert supervisor.step_down(run, None, 1) is None  # not out of memory
     (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 4}) + "\n")
-    assert not supervisor.step_down(run, [], "torch.OutOfMemoryError: CUDA out of memory", 1)  # trained already
+    assert supervisor.step_down(run, "torch.OutOfMemoryError: CUDA out of memory", 1) is None  # trained already
     (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 2}) + "\n")
-    assert supervisor.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
-    assert supervisor.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)
-    assert not supervisor.step_down(run, [], "node1: torch.OutOfMemoryError: CUDA out of memory", 1)  # spent
+    assert supervisor.step_down(run, "node1: torch.OutOfMemoryError: CUDA out of memory", 1) == 1
+    assert supervisor.step_down(run, "node1: torch.OutOfMemoryError: CUDA out of memory", 1) == 2
+    assert supervisor.step_down(run, "node1: torch.OutOfMemoryError: CUDA out of memory", 1) is None  # spent
     assert len(records.step_downs(tmp_path)) == 2
-    # a worker applies the step the supervisor sends it
-    out = helper("step-down", tmp_path, 1)
-    assert json.loads(out.stdout) == {"ok": True, "preset": "zero2", "micro_batch": 8}
-    assert json.loads((tmp_path / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"] == 8
+    # every node runs the master's command, with the step's ds_config (written on every node)
+    cmd = ["deepspeed", "run.py", "--deepspeed_config", str(tmp_path / "ds_config.json")]
+    assert supervisor.at_step(cmd, run, 1)[-1] == str(tmp_path / "ds_config.step1.json")
+    assert supervisor.at_step(cmd, run, 0) == cmd

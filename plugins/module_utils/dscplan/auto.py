@@ -374,7 +374,7 @@ def _memory_record(plan, opt, entry, s, config, model, resume):
 
 def _step_down(plan, launcher_why, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto):
     """auto.json for the supervisor: preset=auto's ladder (the chosen configuration first), each
-    step with its ds_config, predicted peak and batch; the steps are said in auto's lines. None
+    step with its ds_config (written to a file of its own: run._ladder_files), predicted peak and batch; the steps are said in auto's lines. None
     (and said why) where an out-of-memory error cannot step down (`launcher_why`: the launch
     mode's reason, launchers.Launcher.step_down_why)."""
     if len(ladder) < 2:
@@ -401,4 +401,4 @@ def _step_down(plan, launcher_why, opt, options, paths, mode, ladder, overrides,
                       "predicted": c["predicted"], "ds_config": cfg})
     auto.append("  an out-of-memory error in the first steps steps down to: " + ", then ".join(
         f"{c['preset']} micro-batch {c['micro_batch']}" for c in ladder[1:]))
-    return {"ladder": steps, "index": 0}
+    return {"ladder": steps}

@@ -66,6 +66,7 @@ class RunSeen:
     active: bool  # its supervisor lives
     finished: bool  # it exited 0
     launch: dict | None  # its launch.json (what resume reads back: checked as typed)
+    trained: dict | None  # what it trains with after preset=auto's steps down (dscnode.records.trained_with)
     memory: dict | None  # its predicted and measured peaks (dscnode.records.memory_summary)
     secrets: bool  # its secrets file is there
 

@@ -71,6 +71,9 @@ def _run_options(options, defaults, runs_seen, problems):
         wanted = str(opt["run_id"] or "") or (runs_seen[0].id if runs_seen else "")
         spec = next((r.launch for r in runs_seen if r.id == wanted), None) or {}
         spec = {k: v for k, v in spec.items() if k in LAUNCH_SPEC} if isinstance(spec, dict) else {}
+        trained = next((r.trained for r in runs_seen if r.id == wanted), None) or {}
+        if isinstance(trained, dict) and trained.get("step"):  # after a step down: what trains now
+            spec.update(preset=trained.get("preset"), dsc_micro_batch=trained.get("micro_batch"))
         _recorded_spec_problems(spec, wanted, problems)
         opt.update({k: v for k, v in spec.items() if k not in options or k in LAUNCH_ONLY})
     return opt
@@ -361,8 +364,9 @@ def _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text)
         RunDir.TRAIN_CONFIG: json.dumps(opt["dsc_train_config"] or {}, indent=2, sort_keys=True) + "\n",
         # the predicted peak per GPU, beside which each rank records its measured one
         **({RunDir.MEMORY: json.dumps(memory, indent=2, sort_keys=True) + "\n"} if memory else {}),
-        # preset=auto's step-down ladder (the node helper's supervisor reads it)
-        **({RunDir.AUTO: json.dumps(step_down, sort_keys=True) + "\n"} if step_down else {}),
+        # preset=auto's step-down ladder (the node helper's supervisor reads it) and each later
+        # step's ds_config (the supervisor's attempts take that step's file after a step down)
+        **(_ladder_files(step_down) if step_down else {}),
         RunDir.RUN_ID: run_id + "\n",
         # with the names (never the values) of its secrets: resume checks they are there
         RunDir.LAUNCH: json.dumps(dict({k: opt[k] for k in LAUNCH_SPEC},
@@ -370,6 +374,15 @@ def _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text)
                                   indent=2, sort_keys=True) + "\n",
         RunDir.DS_ENV: env_text,
     }
+
+
+def _ladder_files(step_down):
+    """auto.json (the ladder: each step's preset, batch and predicted peak) and the ds_config of
+    every step after the first (the first's is ds_config.json), written once, at launch."""
+    ladder = [{k: v for k, v in step.items() if k != "ds_config"} for step in step_down["ladder"]]
+    return {RunDir.AUTO: json.dumps(dict(step_down, ladder=ladder), sort_keys=True) + "\n",
+            **{RunDir.step_config(i): json.dumps(step["ds_config"], indent=2, sort_keys=True) + "\n"
+               for i, step in enumerate(step_down["ladder"]) if i}}
 
 
 def _preset(plan, s, opt, options, paths, entry, resume, problems):
