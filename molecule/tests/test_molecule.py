@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORD = "/opt/dscluster/warm.json"  # dscnode.warm's record of its last complete answer
+RECORD = "/var/lib/dscluster/warm.json"  # root's record of the warm-up's last complete answer (dscnode.WARM_RECORD)
 
 
 def test_molecule_scenario_passes(provisioned, cluster, tmp_path):
