@@ -38,7 +38,7 @@ def files(rules):
     ("10.0.0.1\r", None, None), ("10.0.0.1\0", None, None), ("any\n", None, None),
 ])
 def test_the_plan_accepts_exactly_the_ssh_sources_the_rules_are_made_from(source, family, ufw):
-    assert dscplan._ssh_source(source) is (family is not None)
+    assert dscplan.ssh_source(source) is (family is not None)
     if family is None:
         with pytest.raises(fw.AnsibleFilterError, match="not an IP address or CIDR"):
             want(ssh_sources=[source])

@@ -13,7 +13,7 @@ from dscplan.launchers import LAUNCHERS
 from tests.unit.plan_helpers import DEFAULTS, ROOT, plan
 
 # Where a launch mode may be named: its own module, the settings' vocabulary and the setting's spec.
-MODE_HOMES = ("plugins/module_utils/dscplan/launchers/", "plugins/module_utils/dscplan/settings.py",
+MODE_HOMES = ("plugins/module_utils/dscplan/launchers/", "plugins/module_utils/dscplan/vocabulary.py",
               "roles/plan/meta/argument_specs.yml")
 # The setting, or a mode's name compared or given as a value.
 MODE_MENTION = re.compile(r"launch_mode|(==|!=)\s*['\"](pdsh|no_ssh|slurm)['\"]|['\"](pdsh|no_ssh|slurm)['\"]\s*(==|!=|in\b)"

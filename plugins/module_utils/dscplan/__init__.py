@@ -33,45 +33,22 @@ from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 
 from .deepspeed_config import batch, ds_config, precision, presets
 from .launchers import chosen
-from .packages import _lock, _requirements, already_there, existing_owner, lock_texts, node_helper, op_sources, pip_sources
+from .packages import node_lock, split_requirements, already_there, existing_owner, lock_texts, node_helper, op_sources, pip_sources
 from .problems import Problems
 from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan, SlurmRecord, runs_seen
-from .rendered import _env_paths, code_archive, parse_ds_env, parse_hostfile
-from .run import LAUNCH_ONLY, Unplanned, _plot_runs, _run, run_reference, secrets_path
-from .settings import (
-    CLUSTER_GROUP,
-    CLUSTER_SETTINGS,
-    JSON_ONLY,
-    NODE_SETTINGS,
-    PLAYBOOK_INPUTS,
-    PROBE_SETTINGS,
-    RETIRED_SETTINGS,
-    RUN_OPTIONS,
-    SECRET_SETTINGS,
-    SETTING_PREFIXES,
-    TOOLKIT_VARIABLES,
-    TORCH_INDEXES,
-    _check_settings,
-    _cluster_settings,
-    _data,
-    _ssh_source,
-    as_bool,
-    control_characters,
-    declared_settings,
-    ip_network,
-    literal_extra_vars,
-    load_defaults,
-    read_pins,
-    root_path_problems,
-    secret_names,
-    templates_in,
-    undeclared_settings,
-)
+from .rendered import env_paths, code_archive, parse_ds_env, parse_hostfile
+from .run import LAUNCH_ONLY, Unplanned, plot_runs, plan_run, run_reference, secrets_path
+from .vocabulary import CLUSTER_GROUP, CLUSTER_SETTINGS, declared_settings, JSON_ONLY, load_defaults, NODE_SETTINGS, PLAYBOOK_INPUTS, PROBE_SETTINGS, read_pins, RETIRED_SETTINGS, RUN_OPTIONS, SECRET_SETTINGS, SETTING_PREFIXES, TOOLKIT_VARIABLES, TORCH_INDEXES, undeclared_settings
+from .settings import check_settings, cluster_settings, secret_names
+from .paths import data_dir, root_path_problems
+from .network import ip_network, ssh_source
+from .problems import as_bool
+from .hygiene import control_characters, literal_extra_vars, templates_in
 from .slurm import slurm_plan, slurm_problems
-from .topology import _firewall_backends, _nodes, network_env, node_order, training_address
+from .topology import firewall_backends, node_records, network_env, node_order, training_address
 
 # What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
-__all__ = ["PROBE_SETTINGS", "probe_arguments", "_ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
+__all__ = ["PROBE_SETTINGS", "probe_arguments", "ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
 
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -168,7 +145,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
     """The Plan of valid settings and nodes, without its run (make_plan adds it)."""
     helper_src, helper_sha256 = node_helper(paths["repo"])
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
-    prefix, python = _env_paths(s, install_root)
+    prefix, python = env_paths(s, install_root)
     cache_dir = f"{install_root}/cache"
     accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, install_root, secrets)
     manager = s["dsc_env_manager"]
@@ -275,14 +252,14 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     control_characters(hostvars, names, options, problems)
     undeclared_settings(variables if variables is not None else {n: list(hostvars.get(n) or {}) for n in names},
                         extra_vars, declared_settings(paths["repo"]), problems)
-    s = _cluster_settings(hostvars, defaults, names, problems)
-    _check_settings(s, names[0], problems, check_dir)
-    torch_requirements, requirements = _requirements(s, f"on host {names[0]}", problems, check_dir)
-    lock = _lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
-    data = _data(s, f"on host {names[0]}", problems, check_dir)
+    s = cluster_settings(hostvars, defaults, names, problems)
+    check_settings(s, names[0], problems, check_dir)
+    torch_requirements, requirements = split_requirements(s, f"on host {names[0]}", problems, check_dir)
+    lock = node_lock(s, torch_requirements + requirements, f"on host {names[0]}", problems, check_dir)
+    data = data_dir(s, f"on host {names[0]}", problems, check_dir)
     secrets = secret_names(hostvars, names, problems)
-    nodes = _nodes(names, hostvars, defaults, probes, problems, probe_errors or {})
-    _firewall_backends(nodes, probes, s, firewall, problems)
+    nodes = node_records(names, hostvars, defaults, probes, problems, probe_errors or {})
+    firewall_backends(nodes, probes, s, firewall, problems)
     slurm_problems(s, nodes, probes, f"on host {names[0]}", problems)
     launch = chosen(s, f"on host {names[0]}", problems)  # the launch mode, chosen once
     launch.cluster_problems(nodes, f"on host {names[0]}", problems)
@@ -291,7 +268,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     if problems.messages:
         if full_run:  # the run options' own problems too, all at once
             partial = Unplanned(run_root=str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"), master=names[0])
-            _run(partial, s, launch, options or {}, defaults, paths, problems, runs_seen(probes.get(names[0])), now,
+            plan_run(partial, s, launch, options or {}, defaults, paths, problems, runs_seen(probes.get(names[0])), now,
                  refuse_active, extra_vars)
         else:
             problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
@@ -303,7 +280,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
                          data, lock, launch, problems.notes)
     options = options or {}
     if full_run:
-        plan.run = _run(plan, s, launch, options, defaults, paths, problems, plan.runs, now,
+        plan.run = plan_run(plan, s, launch, options, defaults, paths, problems, plan.runs, now,
                         refuse_active, extra_vars)
         if plan.run:
             launch.run_problems(plan.master, plan.nodes, plan.slurm, plan.run.id,
@@ -313,7 +290,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         if problem:
             problems.add(problem)
         plan = CompanionPlan(**vars(plan), run_id=run_id, run_dir=run_dir,
-                             plot_runs=_plot_runs(options.get("plot_runs") or [], run_id, plan, problems))
+                             plot_runs=plot_runs(options.get("plot_runs") or [], run_id, plan, problems))
     if problems.messages:
         return None, problems.messages
     return asdict(plan), []

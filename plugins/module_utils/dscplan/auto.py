@@ -10,9 +10,9 @@ from pathlib import Path
 from train import memory
 
 from . import memory as shapes
-from .deepspeed_config import _run_sections, batch, compose_config, ds_config, precision
+from .deepspeed_config import run_sections, batch, compose_config, ds_config, precision
 from .problems import Problems, is_int
-from .settings import as_bool
+from .problems import as_bool
 
 # preset=auto: the candidates, fastest first at one micro-batch (measured on H200s: zero1 and
 # zero2 within a few per cent, zero3 slower on two GPUs; offload about 3x slower, the last resort),
@@ -265,7 +265,7 @@ def _auto_reason(chosen, candidates, records, ratio, room, model, bits):
            [f"  assumed: {a}" for a in model["assumed"]]
 
 
-def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
+def auto_preset(plan, opt, options, paths, entry, problems, s=None):
     """preset=auto: the first candidate (AUTO_PRESETS at each micro-batch, largest first, then the
     offload presets in AUTO_OFFLOAD's order for the world size) whose predicted peak per GPU
     (train/memory.py; scaled by an earlier run's measured ratio of the same code and model) x
@@ -343,7 +343,7 @@ def _auto_preset(plan, opt, options, paths, entry, problems, s=None):
     return chosen["preset"], chosen["micro_batch"], reason, ladder, dict(model, key=key, bits=bits)
 
 
-def _memory_record(plan, opt, entry, s, config, model, resume):
+def memory_record(plan, opt, entry, s, config, model, resume):
     """memory.json: the run's predicted peak per GPU (train/memory.py) for its configuration, with
     the key that a later preset=auto of the same code and model looks its measured peak up by;
     None where the model or the batch is not known (a script without a shape, HF's "auto"), on CPU
@@ -372,7 +372,7 @@ def _memory_record(plan, opt, entry, s, config, model, resume):
             "assumed": model["assumed"]}
 
 
-def _step_down(plan, launcher_why, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto):
+def ladder_record(plan, launcher_why, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto):
     """auto.json for the supervisor: preset=auto's ladder (the chosen configuration first), each
     step with its ds_config (written to a file of its own: run._ladder_files), predicted peak and batch; the steps are said in auto's lines. None
     (and said why) where an out-of-memory error cannot step down (`launcher_why`: the launch
@@ -395,7 +395,7 @@ def _step_down(plan, launcher_why, opt, options, paths, mode, ladder, overrides,
                              plan.world_size, Problems())
         if cfg is None:
             return None
-        _run_sections(cfg, run_dir, as_bool(opt["dsc_tensorboard"]))
+        run_sections(cfg, run_dir, as_bool(opt["dsc_tensorboard"]))
         steps.append({"preset": c["preset"], "micro_batch": c["micro_batch"],
                       "grad_accum": c["batch"]["grad_accum"], "train_batch": c["batch"]["train_batch"],
                       "predicted": c["predicted"], "ds_config": cfg})

@@ -160,7 +160,7 @@ def read_user_config(path, problems):
     return cfg
 
 
-def _run_sections(config, run_dir, tensorboard):
+def run_sections(config, run_dir, tensorboard):
     """What the toolkit adds to a run's ds_config, whatever its mode: DeepSpeed's csv monitor
     (lr, samples) unless the config has a monitor of its own, TensorBoard when asked (event files
     in the run directory, fetched by logs.yml), and node-local checkpoint storage unless the config

@@ -136,7 +136,7 @@ def wheelhouse_gaps(requirements, wheelhouse):
     return gaps
 
 
-def _requirements(s, where, problems, check_dir):
+def split_requirements(s, where, problems, check_dir):
     """(torch-family requirements, the others): the first are installed with torch from its
     index, the others with DeepSpeed; offline, each must be in the wheelhouse."""
     reqs = read_requirements(s, where, problems)
@@ -210,7 +210,7 @@ def op_sources(nodes, probes, build):
         n.ops_source = min(kinds[n.ops_kind])[-1]
 
 
-def _lock(s, texts, where, problems, check_dir):
+def node_lock(s, texts, where, problems, check_dir):
     """The lock every node installs exactly, each file checked against its sha256: the
     wheelhouse's requirements.lock (scripts/wheelhouse.sh) or dsc_node_lock (scripts/nodelock.sh,
     from an index). It must pin the torch and DeepSpeed of the plan and satisfy every requirement.

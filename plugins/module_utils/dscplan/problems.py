@@ -1,4 +1,5 @@
-"""The plan's problems: every message collected once, in order, and how a message shows a value."""
+"""The plan's problems: every message collected once, in order, and how a message shows a value
+(and reads a YAML or -e boolean)."""
 from __future__ import annotations
 
 import re
@@ -31,3 +32,10 @@ def is_int(value):
     them, no other digits than 0-9."""
     return (isinstance(value, int) and not isinstance(value, bool)) or (
         isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value) is not None)
+
+
+def as_bool(value):
+    """A YAML/-e boolean (true, "yes", "1", ...) as bool."""
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in ("1", "true", "yes", "on")

@@ -13,7 +13,7 @@ from .settings import ENV_NAME
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 
 
-def _env_paths(s, install_root):
+def env_paths(s, install_root):
     manager = s["dsc_env_manager"]
     prefix = {"venv": f"{install_root}/env",
               "conda": f"{install_root}/miniconda/envs/{s['dsc_conda_env_name']}",
@@ -69,7 +69,7 @@ def render(templates_dir, name, **values):
     return env.get_template(name).render(**values)
 
 
-def _rendered(paths, plan, env, problems):
+def rendered_files(paths, plan, env, problems):
     """The hostfile and .deepspeed_env from templates/, checked with DeepSpeed's own parsing."""
     hostfile = render(paths["templates"], "hostfile.j2", nodes=plan.nodes)
     env_text = render(paths["templates"], "deepspeed_env.j2", env=env)

@@ -12,12 +12,15 @@ from pathlib import Path
 from dscnode.rundir import SECRETS_DIR, RunDir
 from dscnode.safe import SHELL_SAFE, latest_glob
 
-from .auto import _auto_preset, _memory_record, _step_down
-from .deepspeed_config import _run_sections, batch, compose_config, precision, presets, read_user_config
+from .auto import auto_preset, ladder_record, memory_record
+from .deepspeed_config import run_sections, batch, compose_config, precision, presets, read_user_config
 from .problems import is_int
 from .record import RunRecord
-from .rendered import _rendered, code_archive
-from .settings import JSON_ONLY, RUN_OPTIONS, _abs_path, _control_paths, as_bool, templates_in
+from .rendered import rendered_files, code_archive
+from .vocabulary import JSON_ONLY, RUN_OPTIONS
+from .paths import abs_path
+from .hygiene import control_paths, templates_in
+from .problems import as_bool
 
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
@@ -87,7 +90,7 @@ def _recorded_spec_problems(spec, run_id, problems):
     ds_config file, the code: the run keeps its own)."""
     where = f"run {run_id!r}'s launch.json on the master"
     for var, value in spec.items():
-        found = ([] if var in JSON_ONLY else _control_paths(value, var)) + [(p, None) for p in templates_in(value, var)]
+        found = ([] if var in JSON_ONLY else control_paths(value, var)) + [(p, None) for p in templates_in(value, var)]
         for path, char in found:
             what = f"a control character ({char!r})" if char else "a Jinja template"
             problems.add(f"{path} in {where} holds {what}: the record a resume reads is checked as "
@@ -176,7 +179,7 @@ def _entry(opt, paths, problems):
     shared = as_bool(opt["dsc_code_shared"])
     code_dir = str(opt["dsc_code_dir"] or "") or str(Path(paths["repo"]) / "train")
     if shared:
-        _abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)",
+        abs_path(problems, "dsc_code_dir", code_dir, "/shared/code", "(dsc_code_shared)",
                   "every rank runs the code in it, from it")
     elif not os.path.isdir(code_dir):
         problems.add(f"dsc_code_dir is {code_dir!r}, which is not a directory on the control "
@@ -391,7 +394,7 @@ def _preset(plan, s, opt, options, paths, entry, resume, problems):
     take the same preset and batch)."""
     preset = str(opt["preset"])
     if preset == "auto" and not resume and plan.world_size is not None:
-        chosen, micro_batch, auto, ladder, model = _auto_preset(plan, opt, options, paths, entry, problems, s)
+        chosen, micro_batch, auto, ladder, model = auto_preset(plan, opt, options, paths, entry, problems, s)
         if chosen:
             preset = opt["preset"] = chosen
             opt["dsc_micro_batch"] = micro_batch
@@ -404,7 +407,7 @@ def _preset(plan, s, opt, options, paths, entry, resume, problems):
     return preset, options, [], [], None
 
 
-def _run(plan, s, launcher, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
+def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, now, refuse_active=True, extra_vars=()):
     """The run's part of the plan: id, directory, ds_config, files and the launcher command.
     `launcher`: the launch mode's (launchers.Launcher); `extra_vars`: the names given with -e (a resume refuses
     the LAUNCH_ONLY ones)."""
@@ -451,12 +454,12 @@ def _run(plan, s, launcher, options, defaults, paths, problems, runs_seen, now, 
                      "DeepSpeed's tensorboard section in the config your script passes, or "
                      "use a mode the toolkit writes the config for.")
     if config is not None:
-        _run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
-    memory = _memory_record(plan, opt, entry, s, config, model, resume)
-    step_down = _step_down(plan, launcher.step_down_why(plan.num_nodes or 0), opt, options, paths, mode,
+        run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
+    memory = memory_record(plan, opt, entry, s, config, model, resume)
+    step_down = ladder_record(plan, launcher.step_down_why(plan.num_nodes or 0), opt, options, paths, mode,
                            ladder, overrides, user_config, run_dir, auto)
     env = _run_env(plan, run_id, run_dir, secrets, config_arg)
-    hostfile, env_text = _rendered(paths, plan, env, problems)
+    hostfile, env_text = rendered_files(paths, plan, env, problems)
     commands = _commands(plan, launcher, run_dir, entry, config_arg, resume)
     start_args = launcher.start_args(plan.nodes, commands, opt, plan.run_root, plan.py_spy, entry["resume_args"])
     workdir = entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}"
@@ -496,7 +499,7 @@ def run_reference(run_id, runs, run_root):
     return (run_id or None), (f"{run_root}/{run_id}" if run_id else None), None
 
 
-def _plot_runs(given, run_id, plan, problems):
+def plot_runs(given, run_id, plan, problems):
     """The runs plot.yml draws: those given (each a run on the master), else the run (run_id)."""
     if not isinstance(given, list):
         problems.add(f"plot_runs is {given!r}. Fix: a list of run ids, e.g. [\"zero2-a\", \"zero3-b\"].")

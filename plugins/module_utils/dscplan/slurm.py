@@ -9,7 +9,7 @@ import re
 
 
 from .problems import is_int
-from .settings import as_bool
+from .problems import as_bool
 
 # A partition's name: no hostlist brackets, commas, spaces or '=', nothing a shell or slurm.conf's
 # parser would read as more than a name.

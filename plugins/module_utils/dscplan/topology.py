@@ -7,7 +7,9 @@ import re
 
 from .record import NodeRecord
 from .problems import is_int, shown
-from .settings import CLUSTER_GROUP, as_bool, setting
+from .vocabulary import CLUSTER_GROUP
+from .problems import as_bool
+from .settings import setting
 
 MASTER_GROUP = "master"
 HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})")
@@ -57,7 +59,7 @@ def training_address(name, hv):
     return str(ip), None
 
 
-def _nodes(names, hostvars, defaults, probes, problems, probe_errors):
+def node_records(names, hostvars, defaults, probes, problems, probe_errors):
     nodes, seen_addr, seen_target = [], {}, {}
     for rank, name in enumerate(names):
         hv = hostvars.get(name) or {}
@@ -129,7 +131,7 @@ FIREWALL_AUTO = {"debian": "ufw", "ubuntu": "ufw", "rhel": "firewalld", "fedora"
                  "centos": "firewalld"}
 
 
-def _firewall_backends(nodes, probes, s, check, problems):
+def firewall_backends(nodes, probes, s, check, problems):
     """Each node's firewall (node.firewall_backend: cluster_network_firewall_backend, auto taken
     from its OS). With `check` and the firewall managed: refused where auto knows no firewall for
     the OS, or where the other firewall runs (two fight over the same tables, and the one not

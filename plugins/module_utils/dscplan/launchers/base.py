@@ -7,7 +7,7 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..settings import as_bool
+from ..problems import as_bool
 
 
 @dataclass
