@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cluster as testcluster
+
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = "/var/lib/dscluster/warm.json"  # root's record of the warm-up's last complete answer (dscnode.WARM_RECORD)
 
@@ -15,9 +17,12 @@ def test_molecule_scenario_passes(provisioned, cluster, tmp_path):
     # a fresh machine does not have: this run's state says so (a scenario directory of its own).
     (tmp_path / "state.yml").write_text("---\nconverged: true\n")
     records = {n: cluster.exec(n, f"stat -c %y {RECORD}").stdout for n in cluster.names}
+    # molecule.yml names the project's ansible.cfg; this cluster's fact cache and SSH sockets are
+    # its own, as for every playbook the tests run (cluster.Cluster.playbook).
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", NO_COLOR="1",
-               DSC_TEST_STATE=str(cluster.inventory.parent), MOLECULE_EPHEMERAL_DIRECTORY=str(tmp_path))
-    env.pop("ANSIBLE_CONFIG", None)  # molecule writes its own from molecule.yml
+               DSC_TEST_STATE=str(cluster.inventory.parent), MOLECULE_EPHEMERAL_DIRECTORY=str(tmp_path),
+               ANSIBLE_CACHE_PLUGIN_CONNECTION=str(testcluster.FACTS),
+               ANSIBLE_SSH_CONTROL_PATH_DIR=str(testcluster.STATE / "cp"))
     r = subprocess.run([str(Path(sys.executable).parent / "molecule"), "test"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1800)
     out = r.stdout + r.stderr
