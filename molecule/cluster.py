@@ -165,16 +165,15 @@ def start(name, hostname, ip, ip6, port, image=IMAGE):
        # A small disk for the tests of full run roots (molecule/tests/test_faults.py).
        "--mount", "type=tmpfs,destination=/mnt/small,tmpfs-size=16m,tmpfs-mode=0755",
        image, "/bin/sh", "-c",
-       # Host keys of this container's own (those of the node an image was committed from are
-       # replaced; a restart keeps them), a hosts file the node owns (kept across a restart), then
+       # Host keys and a hosts file of this container's own (those of the node an image was
+       # committed from, on another cluster's network, are replaced; a restart keeps them), then
        # sshd as a daemon: a test can stop sshd alone, as on a real node, or the whole container.
        '[ "$(cat /etc/ssh/.node-id 2>/dev/null)" = "$DSC_NODE_ID" ] || '
-       '{ rm -f /etc/ssh/ssh_host_*; echo "$DSC_NODE_ID" > /etc/ssh/.node-id; }; '
+       '{ rm -f /etc/ssh/ssh_host_*; echo "$DSC_NODE_ID" > /etc/ssh/.node-id; '
+       f"printf '127.0.0.1 localhost\\n{ip} {hostname}\\n' > /etc/hosts; }}; "
        # A firewall the node had is loaded as its boot would (ufw's own boot script).
        "if [ -x /lib/ufw/ufw-init ]; then /lib/ufw/ufw-init start quiet >/dev/null 2>&1; fi; "
-       f"ssh-keygen -A && (grep -q ' {hostname}$' /etc/hosts || "
-       f"printf '127.0.0.1 localhost\\n{ip} {hostname}\\n' > /etc/hosts) "
-       f"&& /usr/sbin/sshd -p {port} && exec sleep infinity")
+       f"ssh-keygen -A && /usr/sbin/sshd -p {port} && exec sleep infinity")
 
 
 def start_systemd(name, hostname, ip, ip6, image=SYSTEMD_IMAGE):

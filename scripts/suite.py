@@ -34,6 +34,9 @@ import timings
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
 LOGS = CACHE / "logs"
+# Each container test file's seconds in a whole run (scripts/timings.py --durations writes it), for
+# a clone that has run none: the order in which the workers take the files.
+DURATIONS = ROOT / "molecule" / "tests" / "durations.json"
 FIGURES = CACHE / "test-figures.jsonl"  # what the container tests measured (molecule/tests/conftest.py)
 TIERS = ("unit", "local", "container")
 PYTEST = ".venv/bin/pytest"
@@ -146,11 +149,12 @@ def container_tier(args):
     each (molecule/cluster.py's cluster_index), each file whole on one worker (a file's module
     fixtures share its nodes), the next file to whichever worker is nearly done. Files go longest
     first by the last whole run recorded here (new files before them), so that both workers end
-    together; with no run recorded (a fresh clone), in xdist's own order, most tests first. With
+    together; with no run recorded (a fresh clone, CI), by molecule/tests/durations.json, a whole
+    run's seconds per file kept with the tests. With
     args naming files or tests (molecule/tests/...), those alone; with other args (a -k), the whole
     tier's files."""
     where = ["molecule/tests"]
-    seconds = timings.last_file_seconds()
+    seconds = timings.last_file_seconds() or json.loads(DURATIONS.read_text())
     if any(a.startswith("molecule/tests/") for a in args):
         where = []
     elif seconds:

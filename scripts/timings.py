@@ -6,6 +6,9 @@ times (never committed).
 
     python3 scripts/timings.py                 # the last run's summary again
     python3 scripts/timings.py --runs [N]      # the last N runs (default 20), one line each
+    python3 scripts/timings.py --durations > molecule/tests/durations.json
+                                               # each container test file's seconds in the last whole
+                                               # run: the order a fresh clone's workers take them in
 
 Standard library only: the suite's runner imports it before any venv exists.
 """
@@ -136,6 +139,9 @@ def runs_table(runs):
 def main(argv):
     if argv[:1] == ["--runs"]:
         print(runs_table(load(HISTORY)[-int(argv[1]) if len(argv) > 1 else -20:]))
+    elif argv[:1] == ["--durations"]:  # molecule/tests/durations.json, from the last whole run
+        seconds = last_file_seconds()
+        print(json.dumps({f: round(t) for f, t in sorted(seconds.items(), key=lambda kv: -kv[1])}, indent=1))
     else:
         print(summary(load(argv[0] if argv else RAW)) or "(no timings recorded)")
 

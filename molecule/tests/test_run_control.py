@@ -186,19 +186,38 @@ def test_inventory_mistakes_fail_loudly_and_change_nothing(provisioned, cluster,
         cluster.inventory = saved
 
 
-def test_an_iperf3_server_killed_mid_measurement_is_a_warn_row(provisioned, cluster, tmp_path):
-    worker, pid_file = cluster.names[1], "/tmp/iperf3-killer.pid"
+def test_an_iperf3_pair_that_cannot_be_measured_is_a_warn_row_saying_why(provisioned, cluster, tmp_path, figures):
+    """preflight.yml's iperf3 pairs, each broken its own way: on the worker a loop kills every
+    iperf3 (the server of ours dies under the node helper, the pair to it is a WARN row); on the
+    master another local user listens on iperf3's port first (no server of ours starts there, the
+    pair to it is named with who holds the port, and nothing is sent to the squatter)."""
+    master, worker, pid_file = cluster.names[0], cluster.names[1], "/tmp/iperf3-killer.pid"
+    squat = ("import socket; s=socket.socket(); s.bind(('0.0.0.0', 5201)); s.listen(1); s.settimeout(300); "
+             "open('/tmp/squat.ready','w').close()\ntry:\n c,_=s.accept(); open('/tmp/squat.hit','w').close()\n"
+             "except OSError: pass")
+    cluster.exec(master, "id eve >/dev/null 2>&1 || useradd -m eve; rm -f /tmp/squat.ready /tmp/squat.hit")
+    cluster.exec(master, f"(nohup python3 -c \"{squat}\" >/dev/null 2>&1 &); for i in $(seq 50); do "
+                         "test -f /tmp/squat.ready && break; sleep 0.1; done; test -f /tmp/squat.ready", user="eve")
     # A loop on the worker kills its iperf3 every 0.3 s until the preflight is over.
     sh("podman", "exec", "-d", PREFIX + worker, "sh", "-c",
        f"echo $$ > {pid_file}; while :; do pkill -x iperf3; sleep 0.3; done")
     try:
         wait(lambda: cluster.exec(worker, f"test -s {pid_file}", check=False).returncode == 0, 30, "the iperf3 killer")
         r = cluster.playbook("preflight.yml", "-e", f"preflight_report_dir={tmp_path}")
+        hit = cluster.exec(master, "test -e /tmp/squat.hit", check=False).returncode == 0
     finally:
         cluster.exec(worker, f"kill $(cat {pid_file}) && rm -f {pid_file}", check=False)
+        cluster.exec(master, "pkill -u eve -f squat.ready", check=False)
     report = json.loads((tmp_path / "preflight-testcluster-latest.json").read_text())
-    rows = [x for x in report["checks"] if x["check"] == "iperf3" and x["node"] == cluster.names[0]]
-    assert rows and rows[0]["status"] == "WARN" and rows[0]["detail"], report["checks"]
+    rows = {x["node"]: x for x in report["checks"] if x["check"] == "iperf3"}
+    assert rows[master]["status"] == "WARN" and rows[master]["detail"], report["checks"]
+    squatted = rows[worker]
+    assert squatted["status"] == "WARN" and squatted["detail"] == (
+        f"{worker} -> {master}: port 5201 on {master}: another process listens on it already; it is held by "
+        f"a process of eve") and squatted["fix"] == "end that process, or set preflight_iperf_port to a free port", squatted
+    assert not hit, "the client measured the squatter's server"
+    figures("preflight fault", fault="another user on the iperf3 port", check="iperf3", node=worker,
+            status=squatted["status"], detail=squatted["detail"], fix=squatted["fix"])
     s = report["summary"]
     assert s["pass"] + s["warn"] + s["fail"] == len(report["checks"])
     assert f"{s['pass']} passed, {s['warn']} warnings, {s['fail']} failed" in r.output

@@ -54,6 +54,17 @@ def start_time(pid):
         return None
 
 
+def started_at(pid):
+    """A process's start as a Unix time (its start_time and the boot time), or None."""
+    ticks = start_time(pid)
+    try:
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def write_pid(pid_file, pid):
     write_atomic(pid_file, f"{pid} {start_time(pid) or ''}".strip() + "\n")
 
@@ -185,10 +196,13 @@ def stop(run_id, grace, run_dir=None, ext_dir=None, by=None):
     pdsh, TERM the rest (each node's launch.py ends its ranks), KILL what is left after `grace`
     seconds, then let the supervisor record the exit code; report what was found and what
     survived. Only processes that carry this run's id are touched. With nothing left, stale
-    op-build locks under `ext_dir` go too (a rank killed mid-build leaves one)."""
+    op-build locks under `ext_dir` go too (a rank killed mid-build leaves one; every rank takes
+    the lock of each JIT op it loads, built or not): those made while the run's processes lived
+    at once, the others once old (jit_locks)."""
     if run_dir and os.path.isdir(run_dir):
         write_atomic(RunDir(run_dir) / RunDir.STOPPED, f"{by or 'stopped'}\n")
     found = procs(run_id)
+    since = min(filter(None, (started_at(p["pid"]) for p in found)), default=None)
     signal_all([p["pid"] for p in found if RUNNER.search(p["cmd"]) and not is_supervisor(p)],
                signal.SIGKILL)
     workers = lambda p: not is_supervisor(p)  # noqa: E731
@@ -207,7 +221,7 @@ def stop(run_id, grace, run_dir=None, ext_dir=None, by=None):
     if left:
         signal_all([p["pid"] for p in left], signal.SIGKILL)
         left = wait_gone(run_id, 5)
-    removed = remove_stale_locks(ext_dir) if ext_dir and not left else []
+    removed = remove_stale_locks(ext_dir, since) if ext_dir and not left else []
     return {"found": len(found), "left": len(left), "left_pids": [p["pid"] for p in left],
             "removed_locks": removed}
 
@@ -215,10 +229,13 @@ def stop(run_id, grace, run_dir=None, ext_dir=None, by=None):
 def teardown(run_id, hosts, run_dir=None, by=None):
     """Stop every process of the run here and, through pdsh, on the other nodes (by the
     DSC_RUN_ID marker each process carries, so orphans go too); with run_dir, marked stopped by
-    `by` on every node."""
+    `by` on every node. The op-build locks its ranks left in the node-local JIT cache (the same
+    path on every node: TORCH_EXTENSIONS_DIR, the run's environment) go too, so that a restart
+    does not wait on them."""
+    ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR")
     marked = (["--run-dir", run_dir] + (["--by", by] if by else [])) if run_dir else []
-    on_others(hosts, "stop", run_id, "--grace", "5", *marked)
-    return stop(run_id, 5.0, run_dir, by=by)
+    on_others(hosts, "stop", run_id, "--grace", "5", *marked, *(["--ext-dir", ext_dir] if ext_dir else []))
+    return stop(run_id, 5.0, run_dir, ext_dir=ext_dir, by=by)
 
 
 def on_others(hosts, *args):
@@ -245,13 +262,14 @@ BUILDERS = {"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", "c
             "cicc", "ptxas", "fatbinary", "nvlink", "hipcc", "clang", "clang++"}
 
 
-def jit_locks(ext_dir, min_age_s=60.0, now=None):
+def jit_locks(ext_dir, min_age_s=60.0, now=None, since=None):
     """Torch's op-build locks (`<TORCH_EXTENSIONS_DIR>/<op>/lock`, a file torch creates before
-    building and removes after; every later build of that op on the node waits while it
-    exists): each with its age and whether it is stale, i.e. older than `min_age_s` with no
-    builder working in its directory. A rank killed mid-build leaves one behind and every later
-    run on the node hangs in "Waiting for lock". Read as the lock's owner: a process whose
-    directory cannot be read counts as a builder when its name is a compiler's."""
+    building or loading and removes after; every later load of that op on the node waits while
+    it exists): each with its age and whether it is stale, i.e. with no builder working in its
+    directory and older than `min_age_s`, or made at `since` or after (a Unix time: while the
+    processes just stopped lived, which made it). A rank killed mid-build leaves one behind and
+    every later run on the node hangs in "Waiting for lock". Read as the lock's owner: a process
+    whose directory cannot be read counts as a builder when its name is a compiler's."""
     now = time.time() if now is None else now
     try:
         os.listdir(ext_dir)  # glob says nothing of a directory it cannot read
@@ -283,7 +301,9 @@ def jit_locks(ext_dir, min_age_s=60.0, now=None):
             continue
         where = str(lock.parent)
         busy = unknown or any(c == where or c.startswith(where + "/") for c in cwds)
-        out.append({"path": str(lock), "age_s": round(age, 1), "stale": age >= min_age_s and not busy})
+        made_since = since is not None and now - age >= since
+        out.append({"path": str(lock), "age_s": round(age, 1),
+                    "stale": (age >= min_age_s or made_since) and not busy})
     return out
 
 
@@ -318,10 +338,10 @@ def jit_locks_as(ext_dir, user):
         return [{"path": ext_dir, "error": "the check ended without an answer"}]
 
 
-def remove_stale_locks(ext_dir):
+def remove_stale_locks(ext_dir, since=None):
     """Remove the stale op-build locks (jit_locks); the paths removed."""
     removed = []
-    for lock in jit_locks(ext_dir):
+    for lock in jit_locks(ext_dir, since=since):
         if lock["stale"]:
             try:
                 os.unlink(lock["path"])

@@ -138,6 +138,25 @@ def test_an_op_build_lock_is_stale_only_when_old_and_no_builder_works_in_its_dir
     assert procs.jit_locks(tmp_path / "none") == []
 
 
+def test_a_young_lock_made_while_the_stopped_runs_processes_lived_is_stale_at_once(tmp_path):
+    """Every rank takes each JIT op's lock while it loads it, built or not: a run stopped at its
+    start leaves a young lock that would hang the next run for good. Made after the stopped run's
+    first process started (`since`), with no builder in its directory, it goes; an older one
+    waits its minute."""
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "lock").write_text("")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        since = procs.started_at(child.pid)
+        assert since is not None and abs(since - time.time()) < 5
+    finally:
+        child.kill()
+        child.wait()
+    assert [x["stale"] for x in procs.jit_locks(tmp_path)] == [False]
+    assert [x["stale"] for x in procs.jit_locks(tmp_path, since=since + 60)] == [False]  # older than the run
+    assert procs.remove_stale_locks(tmp_path, since=since - 5) == [str(tmp_path / "fused_adam" / "lock")]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
 def compilers_running():
     """Whether a process named as a compiler (procs.BUILDERS) runs on this machine now."""
