@@ -16,7 +16,7 @@ from pathlib import Path
 from dscnode import INSTALLED_PATH, ROOT_PACKAGES, ROOT_STATE, WARM_RECORD
 from dscnode.procs import run
 from dscnode.records import runs
-from dscnode.rundir import LOCK_LIMIT, REFUSED, open_regular, read_json
+from dscnode.rundir import LOCK_LIMIT, REFUSED, open_regular, read_json, refused
 from dscnode.ufw import rule_files
 
 
@@ -49,7 +49,7 @@ def tree_digest(folder):
     for top, _dirs, files in sorted(os.walk(folder)):
         seen += len(files)
         if seen > WHEELHOUSE_FILES:  # not walked without end: what provision sends it again
-            REFUSED.append({"path": folder, "why": f"more than {WHEELHOUSE_FILES:,} files, not all compared"})
+            refused(folder, f"more than {WHEELHOUSE_FILES:,} files, not all compared")
             return None
         for name in sorted(files):
             st = os.lstat(os.path.join(top, name))

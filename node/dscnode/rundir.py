@@ -147,7 +147,8 @@ class Unreadable(OSError):
 REFUSED = []
 
 
-def _refuse(path, why):
+def refused(path, why):
+    """Note a file left unread (REFUSED), and the error that says so."""
     if len(REFUSED) < 50 and not any(r["path"] == str(path) for r in REFUSED):
         REFUSED.append({"path": str(path), "why": why})
     return Unreadable(f"{path}: {why}")
@@ -164,7 +165,7 @@ def open_regular(path, limit=None):
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise _refuse(path, "a symbolic link (never followed)") from None
+            raise refused(path, "a symbolic link (never followed)") from None
         raise
     try:
         st = os.fstat(fd)
@@ -172,9 +173,9 @@ def open_regular(path, limit=None):
             kind = ("a FIFO" if stat_mod.S_ISFIFO(st.st_mode) else "a directory" if stat_mod.S_ISDIR(st.st_mode)
                     else "a device" if stat_mod.S_ISCHR(st.st_mode) or stat_mod.S_ISBLK(st.st_mode)
                     else "a socket" if stat_mod.S_ISSOCK(st.st_mode) else "not a regular file")
-            raise _refuse(path, f"{kind}, not a regular file (never read)")
+            raise refused(path, f"{kind}, not a regular file (never read)")
         if limit is not None and st.st_size > limit:
-            raise _refuse(path, f"{st.st_size:,} bytes, more than a file of its kind may hold ({limit:,})")
+            raise refused(path, f"{st.st_size:,} bytes, more than a file of its kind may hold ({limit:,})")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
