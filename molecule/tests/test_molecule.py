@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 import cluster as testcluster
+from dscnode import warm_record
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORD = "/var/lib/dscluster/warm.json"  # root's record of the warm-up's last complete answer (dscnode.WARM_RECORD)
+# Root's record of the warm-up's last complete answer for the install root's JIT cache.
+RECORD = warm_record(testcluster.EXT_DIR)
 
 
 def test_molecule_scenario_passes(provisioned, cluster, tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 
 from cluster import EXT_DIR, OUTSIDER, OUTSIDER_IP, PINS, ROOT, TEST_PACKAGES, lock_pins
+from dscnode import warm_record
 
 
 def test_version_table_has_a_row_per_node(provisioned, cluster):
@@ -45,7 +46,7 @@ def test_ds_report_kept_and_jit_cache_warm(provisioned, cluster):
         assert any("shm_comm" in p for p in libs[name]) and any("fused_adam" in p for p in libs[name]), libs
         # the warm-up's record of its complete answer (a provision that changes nothing answers from
         # it), kept by root where the training user cannot change it, each library by its sha256
-        record = host.file("/var/lib/dscluster/warm.json")
+        record = host.file(warm_record(EXT_DIR))
         assert (record.user, record.mode) == ("root", 0o644) and not host.file("/opt/dscluster/warm.json").exists
         kept = json.loads(record.content_string)
         assert kept["out"]["ops"] == ["deepspeed_shm_comm", "fused_adam"] and len(kept["libs"]["fused_adam"]["sha256"]) == 64

@@ -16,13 +16,14 @@ import time
 import zipfile
 
 from cluster import TINY, UNTIL_STOPPED, wait
+from dscnode import warm_record
 
 ROOT_ENV = "/opt/rootenv"
 SITE = f"{ROOT_ENV}/lib/python3.11/site-packages"
 MARK = "/tmp/planted-wheel-ran"
 INSTALL = "/opt/dscluster"
 ROOT_PACKAGES = "/var/lib/dscluster/packages"
-WARM_RECORD = "/var/lib/dscluster/warm.json"
+WARM_RECORD = warm_record(f"{INSTALL}/cache/torch_extensions")  # the cluster's own warm-up's
 
 
 def planted_wheel():
@@ -93,7 +94,7 @@ def test_root_installs_nothing_the_training_user_planted(provisioned, cluster, t
     finally:  # the cluster's own env again: its lock in the install root, the warm-up's record its own
         for n in cluster.names:
             cluster.exec(n, f"rm -rf {ROOT_ENV} {ROOT_PACKAGES} {MARK} /tmp/{wheel} {INSTALL}/wheelhouse/{wheel}; "
-                            f"cp -a {kept}/lock-wheels.txt {INSTALL}/ && cp -a {kept}/warm.json {WARM_RECORD} && rm -rf {kept}",
+                            f"cp -a {kept}/lock-wheels.txt {INSTALL}/ && cp -a {kept}/{WARM_RECORD.rsplit('/', 1)[1]} {WARM_RECORD} && rm -rf {kept}",
                          check=False)
 
 

@@ -19,17 +19,24 @@ warm-up (warm.py).
     cli.py         the command line: one sub-command per action, each printing one JSON object
     build.py       the built file (on the control node; not part of it)
 """
+import hashlib
 import os
 
 # Where provision.yml installs the built helper on every node (root-owned; the plan reads it from here).
 INSTALLED_PATH = "/usr/local/lib/dscluster/dsc_node.pyz"
 # Root's own directory on every node (root-owned, no other user writes it): what root installs from
 # into an env that is not the training user's (packages/: the lock and the wheelhouse), and what
-# root keeps of the training user's work (warm.json: the last op warm-up's answer). Root never
-# installs from, runs or trusts a file another user can write.
+# root keeps of the training user's work (warm/: the last op warm-up's answer for each JIT cache).
+# Root never installs from, runs or trusts a file another user can write.
 ROOT_STATE = "/var/lib/dscluster"
 ROOT_PACKAGES = f"{ROOT_STATE}/packages"
-WARM_RECORD = f"{ROOT_STATE}/warm.json"
+WARM_RECORDS = f"{ROOT_STATE}/warm"
+
+
+def warm_record(ext_dir):
+    """Root's record of the last complete op warm-up for the JIT cache `ext_dir` (an install root's:
+    one record each, so that provisions of two install roots on a node leave each other's be)."""
+    return f"{WARM_RECORDS}/{hashlib.sha256(str(ext_dir).encode()).hexdigest()[:16]}.json"
 
 
 def program():

@@ -13,7 +13,7 @@ import socket
 import stat as stat_mod
 from pathlib import Path
 
-from dscnode import INSTALLED_PATH, ROOT_PACKAGES, ROOT_STATE, WARM_RECORD
+from dscnode import INSTALLED_PATH, ROOT_PACKAGES, ROOT_STATE, WARM_RECORDS, warm_record
 from dscnode.procs import run
 from dscnode.records import runs
 from dscnode.rundir import LOCK_LIMIT, REFUSED, open_regular, read_json, refused
@@ -70,12 +70,12 @@ EXT_DIR = "cache/torch_extensions"  # the JIT op cache, TORCH_EXTENSIONS_DIR
 OP_LIMIT = 512 << 20
 
 
-def recorded_ops(ext_dir, record=WARM_RECORD):
+def recorded_ops(ext_dir, record=None):
     """The ops the toolkit's last warm-up on this node built or loaded, as root recorded them
-    (warm.json: each op library's sha256), whose library in the JIT cache is still that one:
+    (its warm record: each op library's sha256), whose library in the JIT cache is still that one:
     what the plan weighs when it picks the node that builds for its kind. A folder the training
     user made there, or a library changed since, does not count."""
-    libs = (read_json(record) or {}).get("libs")
+    libs = (read_json(record or warm_record(ext_dir)) or {}).get("libs")
     if not isinstance(libs, dict):
         return []
     return sorted(name for name, lib in libs.items()
@@ -184,7 +184,7 @@ def root_paths(install_root, run_root, data_dir, home):
     out = [{"var": "node helper", "path": os.path.dirname(INSTALLED_PATH), "role": "root"},
            {"var": "node helper", "path": INSTALLED_PATH, "role": "root"}]
     out += [{"var": "root state", "path": p, "role": "root"} for p in (
-        ROOT_STATE, WARM_RECORD, ROOT_PACKAGES, f"{ROOT_PACKAGES}/{WHEELHOUSE_DIR}",
+        ROOT_STATE, WARM_RECORDS, warm_record(f"{install_root}/{EXT_DIR}"), ROOT_PACKAGES, f"{ROOT_PACKAGES}/{WHEELHOUSE_DIR}",
         *(f"{ROOT_PACKAGES}/{name}" for name in LOCK_FILES.values()))]
     out.append({"var": "dsc_install_root", "path": install_root, "role": "made"})
     out += [{"var": "dsc_install_root", "path": p, "role": "user"} for p in (

@@ -12,7 +12,7 @@ out and named in `awaits`; provision then unpacks the source's build there and w
 node after all, builds it.
 
 A complete answer (nothing awaited) comes with a record of what it depends on, which root keeps
-(dscnode.WARM_RECORD, read back with --record): the ops asked, the GPUs nvidia-smi sees and the driver, the environment variables the build reads, the
+(dscnode.warm_record, read back with --record): the ops asked, the GPUs nvidia-smi sees and the driver, the environment variables the build reads, the
 env's installed packages (each top-level entry of site-packages and its mtime: a package
 installed, removed or reinstalled changes it) and each op library's mtime. A later warm-up that
 finds all of them unchanged answers from the record without importing torch: a provision that
@@ -95,7 +95,7 @@ def recorded(path, key, ext_dir):
 
 
 def new_record(key, ext_dir, out):
-    """What root keeps of a complete warm-up (roles/deepspeed writes it to dscnode.WARM_RECORD,
+    """What root keeps of a complete warm-up (roles/deepspeed writes it to dscnode.warm_record(),
     where the training user, who ran the warm-up, cannot change it): its answer, what it depended
     on, and each op library's mtime and sha256 (the probe counts an op as built by the toolkit
     only while its library is that one)."""

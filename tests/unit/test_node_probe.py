@@ -17,7 +17,7 @@ import time
 import pytest
 
 import dscplan
-from dscnode import checks, probe
+from dscnode import ROOT_STATE, checks, probe, warm_record
 from tests.unit.node_helpers import helper
 
 
@@ -300,3 +300,12 @@ def test_an_iperf3_port_someone_else_holds_is_named_not_measured():
     finally:
         squatter.close()
     assert checks.listeners(port) == []
+
+
+def test_each_jit_cache_has_a_warm_record_of_its_own_in_roots_directory():
+    """A provision of a second install root on a node (another env, another cache) leaves the
+    first one's record be: the next provision of the first still answers from it."""
+    first, second = warm_record("/opt/dscluster/cache/torch_extensions"), warm_record("/srv/other/cache/torch_extensions")
+    assert first != second and first.startswith(f"{ROOT_STATE}/warm/") and first.endswith(".json")
+    paths = {e["path"]: e["role"] for e in probe.root_paths("/opt/dscluster", "", "", "")}
+    assert paths[first] == "root" and second not in paths

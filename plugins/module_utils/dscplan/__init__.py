@@ -27,7 +27,7 @@ import os
 import posixpath
 from dataclasses import asdict
 
-from dscnode import INSTALLED_PATH, ROOT_PACKAGES, ROOT_STATE, WARM_RECORD
+from dscnode import INSTALLED_PATH, ROOT_PACKAGES, warm_record
 from dscnode.entry import NODE_ENV_PREFIX
 from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 
@@ -182,7 +182,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         env_owner=env_owner,
         install_packages=install_packages,
         packages_dir=packages_dir, packages_owner="root" if root_packages else train_user,
-        root_state=ROOT_STATE, warm_record=WARM_RECORD,
+        warm_record=warm_record(node_env["TORCH_EXTENSIONS_DIR"]),
         manage_packages=as_bool(s["dsc_manage_packages"]),
         train_user=train_user,
         python_version=str(s["dsc_python_version"]),

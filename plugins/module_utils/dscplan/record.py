@@ -140,8 +140,7 @@ class Plan:
     install_packages: bool  # torch and DeepSpeed installed into the env (an existing one: dsc_existing_install)
     packages_dir: str  # where pip installs from (the lock's files, the wheelhouse): the install root, or root's own folder for an env of root's
     packages_owner: str  # who writes packages_dir: the training user, or root
-    root_state: str  # root's own directory on every node (dscnode.ROOT_STATE)
-    warm_record: str  # root's record of the last op warm-up (dscnode.WARM_RECORD)
+    warm_record: str  # root's record of the last op warm-up of this install root's JIT cache (dscnode.warm_record), in root's own directory
     manage_packages: bool  # the OS packages installed (base_packages)
     train_user: str
     python_version: str
