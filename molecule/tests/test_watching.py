@@ -4,12 +4,13 @@ plot.yml over several runs, and a run stalled by a stopped rank: marked, every r
 (the stopped one named with its node and frame), then (when asked) torn down and restarted to
 completion."""
 import json
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from cluster import TINY, UNTIL_STOPPED, wait
+from cluster import PREFIX, TINY, UNTIL_STOPPED, wait
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = "/opt/dscluster/runs"
@@ -177,3 +178,55 @@ def test_plot_draws_several_runs_in_one_picture(followed, cluster):
     assert is_png(PLOTS / f"{FOLLOWED_RUN}+w-stall-fail.png")
     bad = cluster.playbook("plot.yml", *e(plot_runs=["w-nope"]))
     assert bad.returncode != 0 and "plot_runs: no run 'w-nope'" in bad.output
+
+
+SLOW_RUN = "w-slow"
+# Windows of 5 steps (DSC_RANK_WINDOW; 10 by default): a mark after 2 in a row, cleared at the first
+# window the rank has caught up in. Steps unpaced, so that each rank's own work is its CPU's.
+SLOW_WINDOW = 5
+
+
+def _slow_mark(cluster):
+    r = cluster.exec(cluster.master, f"cat {RUNS}/{SLOW_RUN}/slow.json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
+
+
+def test_a_rank_slowed_mid_run_is_named_while_it_moves_and_cleared_when_it_catches_up(provisioned, cluster, figures):
+    """The run trains unpaced; for as many steps as it then runs slowed, no rank is marked. The
+    worker's container is limited to a fifth of a CPU (podman update --cpus): within a few
+    windows status names its rank with the others' wait; the limit lifted, the mark clears."""
+    launch(cluster, SLOW_RUN, *e(dsc_train_config=dict(TINY, **UNTIL_STOPPED, min_step_s=0, save_every=100000),
+                                 dsc_rank_env={"DSC_RANK_WINDOW": str(SLOW_WINDOW)}))
+    worker, limited = cluster.names[1], False
+
+    def step():
+        return (cluster.run_status(SLOW_RUN).get("last") or {}).get("step") or 0
+
+    def windows():
+        r = cluster.exec(cluster.master, f"cat {RUNS}/{SLOW_RUN}/ranks.jsonl", check=False)
+        return [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+    try:
+        wait(lambda: len(windows()) >= 6, 180, "six windows of the healthy run")
+        healthy = windows()
+        assert _slow_mark(cluster) is None, healthy
+        cluster.exec(cluster.master, f"! grep -q 'slow rank' {RUNS}/{SLOW_RUN}/launcher.log")
+        subprocess.run(["podman", "update", "--cpus", "0.2", PREFIX + worker], check=True, capture_output=True)
+        limited, at = True, step()
+        mark = wait(lambda: _slow_mark(cluster), 240, f"{worker}'s rank named slow")
+        assert (mark["node"], mark["rank"]) == (worker, 1) and mark["ratio"] >= 1.5, mark
+        status = cluster.playbook("status.yml", "-e", f"run_id={SLOW_RUN}")
+        line = next(x.strip().strip('",') for x in status.output.splitlines() if "slow rank: " in x)
+        assert line.startswith(f"slow rank: {worker} rank 1: ") and "x the median compute, the others wait" in line, line
+        subprocess.run(["podman", "update", "--cpus", "2", PREFIX + worker], check=True, capture_output=True)
+        limited, lifted = False, step()
+        wait(lambda: _slow_mark(cluster) is None, 240, "the mark cleared")
+        cleared = step()
+        log = cluster.exec(cluster.master, f"cat {RUNS}/{SLOW_RUN}/launcher.log").stdout
+        assert f"slow rank 1 on {worker} caught up" in log
+        marked = next(w["ranks"] for w in windows() if w["step"] == mark["step"])  # the figures named
+        figures("slow rank", said=mark["said"], steps_to_verdict=mark["step"] - at, steps_to_clear=cleared - lifted,
+                healthy_windows=len(healthy), window=marked, status=line)
+    finally:
+        if limited:
+            subprocess.run(["podman", "update", "--cpus", "2", PREFIX + worker], capture_output=True)
+        cluster.playbook("stop.yml", "-e", f"run_id={SLOW_RUN}")

@@ -206,7 +206,9 @@ def status(run_dir, run_id):
             "step_downs": step_downs(run_dir), "config": config_label(run),
             "op_build": op_build(run_dir, {p["pid"] for p in ps}),
             "stopped_by": stopped_by(run) if state == "stopped" else None,
-            "stall_stacks": (read_json(run / RunDir.STALLED) or {}).get("stacks", []) if state == "stalled" else []}
+            "stall_stacks": (read_json(run / RunDir.STALLED) or {}).get("stacks", []) if state == "stalled" else [],
+            # the rank the others wait for, while it is so (the supervisor's, dscnode.stragglers)
+            "slow": read_json(run / RunDir.SLOW) if state in ("running", "stalled") else None}
 
 
 def op_build(run_dir, pids):
@@ -313,15 +315,19 @@ def log_tail(run_dir, run_id, lines=20, hosts=()):
 
 
 def history(run_dir):
-    """Every logged step of the run (train.run's metrics.jsonl, else the entry shim's
-    progress.jsonl): what plots draw."""
+    """What plots draw: {"steps": every logged step of the run (train.run's metrics.jsonl, else
+    the entry shim's progress.jsonl), "ranks": every window of each rank's step and collective
+    times (ranks.jsonl)}."""
     run = RunDir(run_dir)
-    for name in (RunDir.METRICS, RunDir.PROGRESS):
-        try:
-            return [json.loads(x) for x in read_text(run / name, HISTORY_LIMIT).splitlines() if x.strip()]
-        except (OSError, ValueError):
-            continue
-    return []
+    out = {"steps": [], "ranks": []}
+    for key, names in (("steps", (RunDir.METRICS, RunDir.PROGRESS)), ("ranks", (RunDir.RANKS,))):
+        for name in names:
+            try:
+                out[key] = [json.loads(x) for x in read_text(run / name, HISTORY_LIMIT).splitlines() if x.strip()]
+                break
+            except (OSError, ValueError):
+                continue
+    return out
 
 
 def runs_table(run_root):
@@ -345,7 +351,7 @@ def runs_table(run_root):
                      "step": last.get("step"), "loss": last.get("loss"),
                      "tokens_per_s": last.get("tokens_per_s"), "samples_per_s": last.get("samples_per_s"),
                      "started": started, "duration_s": round((ended or now) - started, 1),
-                     "restarts": st["restarts"]})
+                     "restarts": st["restarts"], "slow": st["slow"]})
     return sorted(rows, key=lambda row: row["started"], reverse=True)
 
 

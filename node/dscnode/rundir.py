@@ -50,6 +50,8 @@ class RunDir:
     SLURM_TASK = "slurm_task.sh"  # and the task it runs on each node (this node's launcher)
     RESTARTING = "restarting"     # slurm mode: the batch job restarts every node (its next attempt)
     OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)
+    RANKS = "ranks.jsonl"         # every window of steps, each rank's step and collective times (entry, rank 0)
+    SLOW = "slow.json"            # the rank the others wait for, while it is so (the supervisor)
 
     @staticmethod
     def step_config(index):

@@ -13,11 +13,12 @@ import subprocess
 import sys
 import time
 
+from dscnode import stragglers
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
-from dscnode.safe import SHELL_SAFE, latest_glob
 from dscnode.records import step_downs
-from dscnode.rundir import RunDir, append_line, last_line, read_json, size_of, write_atomic
+from dscnode.rundir import RunDir, append_line, last_line, read_json, read_tail, size_of, write_atomic
+from dscnode.safe import SHELL_SAFE, latest_glob
 from dscnode.stacks import at_stall
 
 
@@ -59,6 +60,47 @@ def describe(cause):
     if cause["kind"] == "lost":
         return f"the connection to {cause['node']} was lost (node down or sshd gone)"
     return f"ranks on {cause['node']} exited with code {cause['code']}"
+
+
+class SlowRank:
+    """The rank the others wait for, while the run moves (dscnode.stragglers): judged from the
+    windows global rank 0 gathers into ranks.jsonl (this attempt's only), marked in slow.json with
+    a line in the log, cleared (the file removed, a line said) when the rank catches up."""
+
+    def __init__(self, run):
+        self.run, self.size, self.mark = run, size_of(run / RunDir.RANKS), None
+        self.start = self.size
+        (run / RunDir.SLOW).unlink(missing_ok=True)
+
+    def check(self):
+        size = size_of(self.run / RunDir.RANKS)
+        if size == self.size:
+            return self.mark
+        self.size = size
+        try:
+            data, _ = read_tail(self.run / RunDir.RANKS, 65536, self.start)
+        except OSError:
+            return self.mark
+        windows = []
+        for line in data.decode(errors="replace").splitlines()[-stragglers.CONSISTENT:]:
+            try:
+                windows.append(json.loads(line))
+            except ValueError:
+                continue
+        mark = stragglers.verdict(windows)
+        if mark:
+            best_effort(write_atomic, self.run / RunDir.SLOW, json.dumps(dict(mark, said=stragglers.said(mark))) + "\n")
+            if not self.mark or self.mark["rank"] != mark["rank"]:
+                print(f"[dsc_node] slow rank: {stragglers.said(mark)}", flush=True)
+        elif self.mark:
+            (self.run / RunDir.SLOW).unlink(missing_ok=True)
+            print(f"[dsc_node] slow rank {self.mark['rank']} on {self.mark.get('node')} caught up "
+                  f"(step {windows[-1].get('step') if windows else '?'})", flush=True)
+        self.mark = mark
+        return mark
+
+    def end(self):
+        (self.run / RunDir.SLOW).unlink(missing_ok=True)
 
 
 class Stall:
@@ -113,6 +155,7 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
     events, deadline, torn = [], None, None
     stall = stall or {}
     stalls, checked = Stall(run, stall.get("timeout_s", 0), stall.get("min_s", 300)), 0.0
+    slow = SlowRank(run)
     while True:
         code = child.poll()
         with open(log, errors="replace") as f:
@@ -131,6 +174,7 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
             break
         if time.time() - checked >= 2:
             checked = time.time()
+            slow.check()
             stalled = stalls.check(checked)
             if stalled and stalled.get("first") and stall.get("py_spy"):
                 try:
@@ -150,6 +194,7 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
             torn.update(teardown(run_id, hosts))
             torn["done"] = time.time()
         time.sleep(0.5)
+    slow.end()
     cause = min(events, key=lambda e: (CAUSE_ORDER[e["kind"]], e["time"])) if events else None
     return code, cause, torn
 

@@ -109,7 +109,9 @@ def runs_table(rows):
     lines = ["run | config | state | step | loss | throughput | started (UTC) | duration | restarts"]
     for r in rows or []:
         started = datetime.datetime.fromtimestamp(r["started"], datetime.UTC)
-        lines.append(" | ".join([r["id"], cell(r.get("config")), r["state"], cell(r.get("step")),
+        slow = r.get("slow") or {}
+        state = r["state"] + (f" (slow: {slow.get('node')} rank {slow['rank']})" if slow.get("rank") is not None else "")
+        lines.append(" | ".join([r["id"], cell(r.get("config")), state, cell(r.get("step")),
                                  cell(r.get("loss"), "{:.4g}"), throughput(r),
                                  started.strftime("%Y-%m-%d %H:%M"),
                                  str(datetime.timedelta(seconds=int(r["duration_s"]))),

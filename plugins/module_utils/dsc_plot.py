@@ -1,9 +1,11 @@
-"""Loss and throughput against step, one line per run, as a PNG (matplotlib, on the control node).
+"""Loss and throughput against step, one line per run, and each rank's compute per step where the
+ranks' times were gathered, as a PNG (matplotlib, on the control node).
 
-    python3 dsc_plot.py OUT.png < {"run id": [{step, loss, tokens_per_s | samples_per_s}, ...], ...}
+    python3 dsc_plot.py OUT.png < {"run id": {"steps": [{step, loss, tokens_per_s | samples_per_s}, ...],
+                                              "ranks": [{step, ranks: [{rank, node, compute_s}]}, ...]}, ...}
 
 plot.yml and launch.yml's follow feed it the node helper's `history` of each run (train.run's
-metrics.jsonl or any script's progress.jsonl). Prints {path, runs, points} as JSON.
+metrics.jsonl or any script's progress.jsonl, and ranks.jsonl). Prints {path, runs, points} as JSON.
 """
 from __future__ import annotations
 
@@ -26,13 +28,30 @@ def rate_key(rows):
     return "tokens_per_s" if any(r.get("tokens_per_s") is not None for r in rows) else "samples_per_s"
 
 
+def rank_series(windows):
+    """{label "node rank N": (steps, compute seconds per step)} from the ranks' windows: each
+    rank's step time outside collectives, the line that stands out for a slow rank."""
+    out = {}
+    for w in windows or []:
+        for r in (w or {}).get("ranks") or []:
+            if isinstance(r, dict) and isinstance(r.get("compute_s"), (int, float)):
+                steps, values = out.setdefault(f"{r.get('node', '?')} rank {r.get('rank')}", ([], []))
+                steps.append(w.get("step"))
+                values.append(r["compute_s"])
+    return out
+
+
 def plot(histories, out_path):
     import matplotlib  # noqa: PLC0415 - only where a picture is drawn
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415 - after use("Agg")
-    fig, (loss_ax, rate_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    ranks = {run_id: rank_series(h.get("ranks")) for run_id, h in histories.items()}
+    panels = 3 if any(ranks.values()) else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.5 * panels), sharex=True)
+    loss_ax, rate_ax = axes[0], axes[1]
     points, rates = 0, set()
-    for run_id, rows in histories.items():
+    for run_id, history in histories.items():
+        rows = history.get("steps") or []
         steps, losses = series(rows, "loss")
         loss_ax.plot(steps, losses, label=run_id, linewidth=1.2)
         key = rate_key(rows)
@@ -45,8 +64,15 @@ def plot(histories, out_path):
     loss_ax.grid(True, alpha=0.3)
     loss_ax.legend(fontsize="small")
     rate_ax.set_ylabel(" / ".join(k.replace("_per_s", "/s") for k in sorted(rates)) or "throughput")
-    rate_ax.set_xlabel("step")
     rate_ax.grid(True, alpha=0.3)
+    if panels == 3:
+        for run_id, series_of in ranks.items():
+            for label, (steps, values) in series_of.items():
+                axes[2].plot(steps, values, label=f"{run_id}: {label}" if len(ranks) > 1 else label, linewidth=1.0)
+        axes[2].set_ylabel("compute s per step\n(outside collectives)")
+        axes[2].grid(True, alpha=0.3)
+        axes[2].legend(fontsize="x-small", ncol=2)
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     # Written beside and renamed over: two followers of one run (launch.yml's and status.yml's)
     # draw the same picture when it ends, and neither may leave the other's half-written file.

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dscnode import stragglers
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("DSC_TRAIN_VENV", ROOT / ".cache" / "train-venv"))
 pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
@@ -20,7 +22,9 @@ pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
 NODE_PATH = {"PYTHONPATH": str(ROOT / "node")}
 
 
-def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True):
+def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True, program=("train.run",), env=None):
+    """DeepSpeed's launcher over `ranks` gloo ranks of `program` (python -m's arguments: train.run,
+    or the node helper's entry shim and a script), with train.run's --set options."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "ds_config.json").write_text(json.dumps(ds))
     # The venv's bin first on PATH, as a node's ranks have their env's (the plan's node_env): its
@@ -28,9 +32,9 @@ def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True):
     # system ninja wrote, "build log version is too old; starting over", and builds again).
     env = dict(os.environ, **NODE_PATH, DSC_RUN_DIR=str(run_dir), DS_ACCELERATOR="cpu", LOCAL_SIZE=str(ranks),
                PATH=f"{VENV / 'bin'}:{os.environ['PATH']}",
-               TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"), OMP_NUM_THREADS="1")
+               TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"), OMP_NUM_THREADS="1", **(env or {}))
     cmd = [str(VENV / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
-           str(29700 + os.getpid() % 200), "--module", "train.run",
+           str(29700 + os.getpid() % 200), "--module", *program,
            "--deepspeed_config", str(run_dir / "ds_config.json")]
     for s in sets:
         cmd += ["--set", s]
@@ -134,3 +138,33 @@ def test_cpu_offload_trains_on_a_pretokenized_array(tmp_path):
            "steps=6", "save_final=false")
     rows = metrics(run)
     assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.parametrize("preset", ["zero1", "zero3", "zero2-offload"])
+def test_the_rank_the_others_wait_for_is_named_in_every_zero_stage(tmp_path, preset):
+    """A user's own loop through the entry shim, as a launch starts it: rank 1 computes 0.25 s longer
+    than rank 0 from step 20 of 40. Every window of 5 steps (DSC_RANK_WINDOW) global rank 0 writes
+    both ranks' figures to ranks.jsonl: the four windows before the slowdown name no rank, each
+    window after it names rank 1 with rank 0 waiting for it, in ZeRO-1 (gradients all-reduced at
+    the step), ZeRO-3 (parameters gathered asynchronously ahead of use, overlapping compute) and
+    ZeRO-2 with the optimizer on the CPU alike (dscnode.stragglers says why the measure holds)."""
+    run = tmp_path / "run"
+    cfg = ds(int(preset[4]), optimizer={"type": "AdamW", "params": {"lr": 0.001, "torch_adam": True}})
+    if preset.endswith("offload"):
+        cfg["optimizer"]["params"].pop("torch_adam")  # DeepSpeed's CPU Adam, as the offload presets run it
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    launch(run, cfg, program=("dscnode", "entry", "--script", str(ROOT / "tests/fixtures/straggler.py"),
+                              "--steps", "40", "--slow-rank", "1", "--slow-from", "20", "--slow-s", "0.25"),
+           env={"DSC_RANK_WINDOW": "5"})
+    windows = [json.loads(line) for line in (run / "ranks.jsonl").read_text().splitlines()]
+    assert [w["step"] for w in windows] == [5, 10, 15, 20, 25, 30, 35, 40], windows
+    assert all(sorted(r["rank"] for r in w["ranks"]) == [0, 1] for w in windows)
+    healthy, slowed = windows[:4], windows[4:]
+    assert [stragglers.judge(w) for w in healthy] == [None] * 4, healthy
+    judged = [stragglers.judge(w) for w in slowed]
+    assert [j and j["rank"] for j in judged] == [1] * 4, slowed
+    assert stragglers.verdict(slowed[:2])["since_step"] == 25
+    for w in slowed:
+        fast, slow = sorted(w["ranks"], key=lambda r: r["rank"])
+        assert slow["compute_s"] >= 0.2 and fast["comm_s"] >= 0.2 > slow["comm_s"], w  # rank 0 waits 0.25 s a step
+        assert fast["calls"] >= 1 and slow["calls"] == fast["calls"], w

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_two_runs_make_one_png_with_both(tmp_path):
     histories = {
-        "zero2-a": [{"step": s, "loss": 5 - s / 10, "tokens_per_s": 1000 + s} for s in range(1, 30)],
-        "own-clm": [{"step": s, "loss": 6 - s / 20, "samples_per_s": 12.5} for s in range(1, 20)]
-                   + [{"step": 20, "loss": None}],
+        "zero2-a": {"steps": [{"step": s, "loss": 5 - s / 10, "tokens_per_s": 1000 + s} for s in range(1, 30)],
+                    "ranks": []},
+        "own-clm": {"steps": [{"step": s, "loss": 6 - s / 20, "samples_per_s": 12.5} for s in range(1, 20)]
+                    + [{"step": 20, "loss": None}], "ranks": []},
     }
     out = tmp_path / "runs.png"
     r = subprocess.run([sys.executable, str(ROOT / "plugins" / "module_utils" / "dsc_plot.py"), str(out)],
@@ -47,6 +48,20 @@ def test_a_resumed_run_plots_each_step_once(tmp_path):
               [{"step": s, "loss": 4 - s / 100} for s in range(101, 201)]
     out = tmp_path / "resumed.png"
     r = subprocess.run([sys.executable, str(ROOT / "plugins" / "module_utils" / "dsc_plot.py"), str(out)],
-                       input=json.dumps({"resumed": history}), capture_output=True, text=True, timeout=120)
+                       input=json.dumps({"resumed": {"steps": history, "ranks": []}}), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["points"] == 200
+
+
+def test_each_ranks_compute_is_drawn_where_the_ranks_times_were_gathered(tmp_path):
+    """A third panel, a line per rank: its step time outside collectives, per window (ranks.jsonl)."""
+    windows = [{"step": 10 * k, "ranks": [{"rank": 0, "node": "node1", "compute_s": 0.1},
+                                          {"rank": 1, "node": "node2", "compute_s": 0.29 if k > 3 else 0.1}]}
+               for k in range(1, 9)]
+    assert dsc_plot.rank_series(windows)["node2 rank 1"][1][-1] == 0.29
+    out = tmp_path / "ranks.png"
+    r = subprocess.run([sys.executable, str(ROOT / "plugins" / "module_utils" / "dsc_plot.py"), str(out)],
+                       input=json.dumps({"slow": {"steps": [{"step": s, "loss": 1.0} for s in range(1, 81)], "ranks": windows}}),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,84 @@
+"""Which rank the others wait for, while the run still moves. Each rank measures, per optimizer
+step, its time in collectives (comm_s: the union of its collectives' spans, from call to return
+or to the wait of an asynchronous one) and the rest of its step (compute_s = step_s - comm_s: its
+own work); the entry shim measures them (RankTimes in entry.py) and global rank 0 gathers every
+rank's figures every window of steps (10 by default) into the run's ranks.jsonl, judged here.
+
+In synchronous training every rank's step lasts as long as the slowest rank's: the others reach
+each collective first and wait in it for the slowest, which waits for nobody. So, per window, a
+rank is slow when its compute is SLOW_RATIO times the median of the others' and the others spend
+WAIT_SHARE of each step or more in collectives beyond its own time in them (their wait for it: a
+transfer takes as long for each), in CONSISTENT windows in a row; the mark clears at the first
+window where it is not so. A run whose ranks are alike is never marked (the ratio is about 1),
+nor one bound by its network (every rank waits alike).
+
+Why it holds where collectives overlap compute:
+- ZeRO-1: the gradients are all-reduced at the step, after the backward: no overlap, the
+  measure is exact.
+- ZeRO-2 (overlap_comm) and ZeRO-3 (parameters gathered asynchronously ahead of their use,
+  gradients reduce-scattered during the backward): a span runs while compute goes on beside it,
+  so comm_s counts some compute as communication, on every rank alike (the same model, the same
+  buckets). The slow rank's own compute still shows (its spans end as soon as it issues them:
+  the others are already there), and the others' spans stretch by exactly their wait for it; the
+  union keeps overlapping gathers from counting twice.
+- The offload presets: the optimizer step runs on the CPU (DeepSpeed's CPU Adam) outside any
+  collective, so a slow CPU shows as compute, where it belongs.
+A rank's compute measured as 0 (its collectives cover its step) names nothing.
+"""
+from __future__ import annotations
+
+SLOW_RATIO = 1.5
+WAIT_SHARE = 0.2
+CONSISTENT = 2
+
+
+def median(values):
+    values = sorted(values)
+    if not values:
+        return 0.0
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def judge(window):
+    """One window's slow rank, or None: {rank, node, ratio, wait_share, compute_s, median_s}.
+    `window`: {"ranks": [{rank, node, step_s, comm_s, compute_s}, ...]}, as rank 0 writes it."""
+    ranks = [r for r in (window or {}).get("ranks") or []
+             if isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("step_s", "comm_s", "compute_s"))]
+    if len(ranks) < 2:
+        return None
+    slowest = max(ranks, key=lambda r: r["compute_s"])
+    others = [r for r in ranks if r is not slowest]
+    typical = median(r["compute_s"] for r in others)
+    # the others' time in collectives beyond the slow rank's own: their wait for it
+    wait = median((r["comm_s"] - slowest["comm_s"]) / r["step_s"] for r in others if r["step_s"] > 0)
+    if slowest["compute_s"] <= 0:
+        return None
+    ratio = slowest["compute_s"] / typical if typical > 0 else float("inf")
+    if ratio < SLOW_RATIO or wait < WAIT_SHARE:
+        return None
+    return {"rank": slowest["rank"], "node": slowest.get("node"), "ratio": round(ratio, 2),
+            "wait_share": round(wait, 3), "compute_s": round(slowest["compute_s"], 4), "median_s": round(typical, 4)}
+
+
+def verdict(windows):
+    """The mark over the last windows (oldest first): the slow rank of the last CONSISTENT windows
+    when it is the same in each, with the latest window's figures and the step it came at; None
+    otherwise (never marked, or cleared by the last window)."""
+    recent = list(windows or [])[-CONSISTENT:]
+    if len(recent) < CONSISTENT:
+        return None
+    judged = [judge(w) for w in recent]
+    if any(j is None for j in judged) or len({j["rank"] for j in judged}) != 1:
+        return None
+    return dict(judged[-1], step=recent[-1].get("step"), since_step=recent[0].get("step"), windows=CONSISTENT)
+
+
+def said(mark):
+    """The mark in words, with the fix to try (status, follow, runs.yml)."""
+    node, rank = mark.get("node") or "?", mark.get("rank")
+    return (f"{node} rank {rank}: {mark['ratio']:.1f}x the median compute, the others wait "
+            f"{100 * mark['wait_share']:.0f} % of each step for it (since step {mark.get('since_step')}). "
+            f"Fix: look at {node}: its GPU's throttle reasons (nvidia-smi -q -d PERFORMANCE), its CPU "
+            f"(other processes, a CPU quota: top), its NIC (ip -s link: errors, drops); doctor.yml "
+            f"measures its links.")
