@@ -191,10 +191,17 @@ def _slow_mark(cluster):
     return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
 
 
-def test_a_rank_slowed_mid_run_is_named_while_it_moves_and_cleared_when_it_catches_up(provisioned, cluster, figures):
+def test_a_rank_slowed_mid_run_is_named_while_it_moves_and_cleared_when_it_catches_up(followed, cluster, figures):
     """The run trains unpaced; for as many steps as it then runs slowed, no rank is marked. The
     worker's container is limited to a fifth of a CPU (podman update --cpus): within a few
-    windows status names its rank with the others' wait; the limit lifted, the mark clears."""
+    windows status names its rank with the others' wait; the limit lifted, the mark clears.
+    The runs this module made before it (the followed one, to its end; in the whole module's run
+    also two with a rank stopped a while) kept their ranks' times and were never marked."""
+    earlier = [f"{RUNS}/{run}" for run in (FOLLOWED_RUN, "w-stall-mark", "w-stall-fail")]
+    kept = cluster.exec(cluster.master, "wc -l " + " ".join(f"{d}/ranks.jsonl" for d in earlier), check=False).stdout
+    marked = cluster.exec(cluster.master, "grep -l 'slow rank' " + " ".join(f"{d}/launcher.log" for d in earlier),
+                          check=False).stdout
+    assert f"{RUNS}/{FOLLOWED_RUN}/ranks.jsonl" in kept and marked == "", (kept, marked)
     launch(cluster, SLOW_RUN, *e(dsc_train_config=dict(TINY, **UNTIL_STOPPED, min_step_s=0, save_every=100000),
                                  dsc_rank_env={"DSC_RANK_WINDOW": str(SLOW_WINDOW)}))
     worker, limited = cluster.names[1], False
@@ -225,7 +232,7 @@ def test_a_rank_slowed_mid_run_is_named_while_it_moves_and_cleared_when_it_catch
         assert f"slow rank 1 on {worker} caught up" in log
         marked = next(w["ranks"] for w in windows() if w["step"] == mark["step"])  # the figures named
         figures("slow rank", said=mark["said"], steps_to_verdict=mark["step"] - at, steps_to_clear=cleared - lifted,
-                healthy_windows=len(healthy), window=marked, status=line)
+                healthy_windows=len(healthy), earlier_runs_unmarked=kept, window=marked, status=line)
     finally:
         if limited:
             subprocess.run(["podman", "update", "--cpus", "2", PREFIX + worker], capture_output=True)

@@ -3,11 +3,13 @@
 The nodes run it as one file built from this package (build.py): dsc_node.pyz, installed
 root-owned at INSTALLED_PATH by provision.yml and pushed as it is for the probe before anything is
 installed. The node's system python3 runs every action (cli.py); each rank's env python runs the
-entry shim (entry.py), which imports rundir.py and nothing else of the package, and provision's
+entry shim (entry.py), which imports rundir.py and ranktimes.py and nothing else of the package, and provision's
 warm-up (warm.py).
 
     rundir.py      the run directory's layout (RunDir), its secrets, atomic writes, reads that follow no link
     entry.py       the entry shim: the run's secrets, DeepSpeed's engine watched and its JIT op builds recorded, the user's script
+    ranktimes.py   each rank's time in DeepSpeed's collectives against its steps, gathered every window (the shim installs it)
+    stragglers.py  which rank the others wait for, judged from those windows (the supervisor's slow-rank mark)
     procs.py       a run's processes (found, signalled, stopped), pid files, op-build locks
     records.py     what a run recorded: status, runs table, history, log tail, memory, step downs
     probe.py       what the plan needs from a node, read-only

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from dscnode.ranktimes import RankTimes
 from dscnode.rundir import RunDir, secrets_file, write_atomic
 
 
@@ -301,152 +302,6 @@ class CpuInfoOnce:
                 pass
 
 
-class RankTimes:
-    """Each rank's time in DeepSpeed's collectives (every call through deepspeed.comm's backend:
-    all-reduce, reduce-scatter, all-gather, broadcast, all-to-all, point-to-point, barrier)
-    against its optimizer steps; every window of steps global rank 0 gathers every rank's
-    figures into the run's ranks.jsonl, where the supervisor names a rank the others wait for
-    (dscnode.stragglers, whose docstring says why the measure holds where collectives overlap
-    compute). A collective's span runs from its call to its return, or to its handle's wait()
-    where it is asynchronous; a rank's comm time is the union of its spans (overlapping
-    collectives count once). On CPU ranks (gloo) the spans are wall time; on GPU ranks, CUDA
-    events recorded on the calling stream at both ends, read once they have completed, so that
-    nothing waits for the GPU to measure it. Off with DSC_RANK_WINDOW=0."""
-
-    WINDOW_STEPS = 10  # steps a window covers (DSC_RANK_WINDOW overrides it)
-    METHODS = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_base",
-               "all_gather_coalesced", "broadcast", "all_to_all_single", "all_to_all", "gather", "scatter",
-               "send", "recv", "isend", "irecv", "barrier", "monitored_barrier")
-    OPEN_MAX = 65536  # GPU spans not yet completed that are kept (a bound, never reached by a moving run)
-
-    def __init__(self, path, window):
-        self.path, self.window = Path(path), int(window)
-        self.cuda = None  # decided at the first collective
-        self.origin = None  # GPU: the first completed event, which span positions are measured from
-        self.spans, self.open, self.calls = [], [], 0  # (start_s, end_s) this window; GPU event pairs unread
-        self.gathered_s = 0.0  # the last gather's wait, comm time of the window after it
-        self.work = ()  # torch.distributed.Work: an asynchronous collective's handle
-        self.steps, self.step_s, self.last, self.global_step = 0, 0.0, None, None
-
-    def __call__(self, module):
-        backend = module.TorchBackend
-        self.work = getattr(sys.modules["torch"].distributed, "Work", ())
-        for name in self.METHODS:
-            if hasattr(backend, name):
-                setattr(backend, name, self.timed(getattr(backend, name)))
-
-    def timed(self, fn):
-        hook = self
-
-        def collective(*args, **kwargs):
-            start = hook.mark()
-            out = fn(*args, **kwargs)
-            if hook.work and isinstance(out, hook.work):
-                return Waited(out, hook, start)  # asynchronous: its span ends at wait()
-            hook.done(start)
-            return out
-        return collective
-
-    def mark(self):
-        if self.cuda is None:
-            torch = sys.modules.get("torch")
-            self.cuda = bool(torch and torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu")
-        if self.cuda:
-            event = sys.modules["torch"].cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def done(self, start):
-        self.calls += 1
-        if self.cuda:
-            end = sys.modules["torch"].cuda.Event(enable_timing=True)
-            end.record()
-            self.open.append((start, end))
-            del self.open[:-self.OPEN_MAX]
-        else:
-            self.spans.append((start, time.perf_counter()))
-
-    def read_events(self):
-        """The spans of the GPU collectives whose events have completed, in seconds from the first
-        one; the rest are read at the next window."""
-        left = []
-        for start, end in self.open:
-            if not end.query():
-                left.append((start, end))
-                continue
-            self.origin = self.origin or start
-            self.spans.append((self.origin.elapsed_time(start) / 1000, self.origin.elapsed_time(end) / 1000))
-        self.open = left
-
-    @staticmethod
-    def union(spans):
-        """Seconds covered by at least one span."""
-        total, reach = 0.0, None
-        for start, end in sorted(spans):
-            if reach is None or start > reach:
-                total, reach = total + max(end - start, 0.0), end
-            elif end > reach:
-                total, reach = total + end - reach, end
-        return total
-
-    def stepped(self, engine):
-        """An optimizer step (the engine's step at a gradient-accumulation boundary) has ended."""
-        try:
-            if engine.global_steps == self.global_step:
-                return  # a micro-step within the accumulation
-            now = time.perf_counter()
-            self.global_step = engine.global_steps
-            if self.last is None:  # the first step: what came before it (the engine's set-up) is not a step's
-                self.spans, self.open, self.calls = [], [], 0
-            else:
-                self.steps += 1
-                self.step_s += now - self.last
-            self.last = now
-            if self.steps and engine.global_steps % self.window == 0:
-                self.gather(engine)
-        except Exception as e:  # noqa: BLE001 - a measurement, never a rank's failure
-            print(f"[dsc_node] the ranks' times are not measured any more: {e}", file=sys.stderr)
-            self.window = 1 << 62
-
-    def gather(self, engine):
-        if self.cuda:
-            self.read_events()
-        step_s, comm_s = self.step_s / self.steps, (self.union(self.spans) + self.gathered_s) / self.steps
-        mine = {"rank": int(engine.global_rank), "node": socket.gethostname(), "step_s": round(step_s, 6),
-                "comm_s": round(comm_s, 6), "compute_s": round(max(step_s - comm_s, 0.0), 6),
-                "calls": round(self.calls / self.steps, 1)}
-        dist = sys.modules["torch"].distributed
-        ranks = [None] * dist.get_world_size()
-        began = time.perf_counter()
-        dist.all_gather_object(ranks, mine)  # waits for the slowest rank too: comm time of the next window
-        self.steps, self.step_s, self.spans, self.calls = 0, 0.0, [], 0
-        self.gathered_s = time.perf_counter() - began
-        if engine.global_rank == 0:
-            line = {"time": round(time.time(), 3), "step": int(engine.global_steps), "window": self.window,
-                    "ranks": ranks}
-            with open(self.path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-
-
-class Waited:
-    """An asynchronous collective's handle: its first wait() ends the collective's span (RankTimes)."""
-
-    def __init__(self, handle, times, start):
-        self._handle, self._times, self._start = handle, times, start
-
-    def wait(self, *args, **kwargs):
-        out = self._handle.wait(*args, **kwargs)
-        if self._start is not None:
-            self._times.done(self._start)
-            self._start = None
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
-
-
 def read_boot_id():
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -528,7 +383,7 @@ def entry(args, local_rank=()):
     patches = {"accelerate.state": accelerate_on_cpu,
                "cpuinfo": CpuInfoOnce(os.environ.get("TORCH_EXTENSIONS_DIR"))}
     if run_dir:
-        window = int(os.environ.get("DSC_RANK_WINDOW", RankTimes.WINDOW_STEPS) or 0)
+        window = RankTimes.window_from(os.environ.get("DSC_RANK_WINDOW"))
         times = RankTimes(RunDir(run_dir) / RunDir.RANKS, window) if window > 0 else None
         watch = EngineWatch(RunDir(run_dir) / RunDir.PROGRESS, measured=RunDir(run_dir) / RunDir.MEASURED,
                             argv=rest, times=times)

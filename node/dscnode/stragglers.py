@@ -1,7 +1,7 @@
 """Which rank the others wait for, while the run still moves. Each rank measures, per optimizer
 step, its time in collectives (comm_s: the union of its collectives' spans, from call to return
 or to the wait of an asynchronous one) and the rest of its step (compute_s = step_s - comm_s: its
-own work); the entry shim measures them (RankTimes in entry.py) and global rank 0 gathers every
+own work); the entry shim measures them (ranktimes.RankTimes) and global rank 0 gathers every
 rank's figures every window of steps (10 by default) into the run's ranks.jsonl, judged here.
 
 In synchronous training every rank's step lasts as long as the slowest rank's: the others reach
@@ -23,13 +23,16 @@ Why it holds where collectives overlap compute:
   union keeps overlapping gathers from counting twice.
 - The offload presets: the optimizer step runs on the CPU (DeepSpeed's CPU Adam) outside any
   collective, so a slow CPU shows as compute, where it belongs.
-A rank's compute measured as 0 (its collectives cover its step) names nothing.
+A slowest rank whose compute is measured as 0 (its collectives cover its step) names nothing; the
+others' compute is taken as at least a hundredth of their step (FLOOR_SHARE), so that a ratio
+stays a number where they wait the whole step.
 """
 from __future__ import annotations
 
 SLOW_RATIO = 1.5
 WAIT_SHARE = 0.2
 CONSISTENT = 2
+FLOOR_SHARE = 0.01  # the least compute a ratio is taken against, as a share of the step
 
 
 def median(values):
@@ -54,7 +57,10 @@ def judge(window):
     wait = median((r["comm_s"] - slowest["comm_s"]) / r["step_s"] for r in others if r["step_s"] > 0)
     if slowest["compute_s"] <= 0:
         return None
-    ratio = slowest["compute_s"] / typical if typical > 0 else float("inf")
+    # The others' compute can be all but nothing where their collectives cover their step (they
+    # wait the whole of it): a hundredth of a step stands in for less.
+    floor = median(r["step_s"] for r in others) * FLOOR_SHARE
+    ratio = slowest["compute_s"] / max(typical, floor, 1e-9)
     if ratio < SLOW_RATIO or wait < WAIT_SHARE:
         return None
     return {"rank": slowest["rank"], "node": slowest.get("node"), "ratio": round(ratio, 2),
@@ -74,8 +80,13 @@ def verdict(windows):
     return dict(judged[-1], step=recent[-1].get("step"), since_step=recent[0].get("step"), windows=CONSISTENT)
 
 
+def short(mark):
+    """The mark in a few words (follow's line, runs.yml's state)."""
+    return f"{mark.get('node') or '?'} rank {mark.get('rank')}, {mark['ratio']:.1f}x the median compute"
+
+
 def said(mark):
-    """The mark in words, with the fix to try (status, follow, runs.yml)."""
+    """The mark in words, with the fix to try (status.yml, the run's log)."""
     node, rank = mark.get("node") or "?", mark.get("rank")
     return (f"{node} rank {rank}: {mark['ratio']:.1f}x the median compute, the others wait "
             f"{100 * mark['wait_share']:.0f} % of each step for it (since step {mark.get('since_step')}). "

@@ -67,35 +67,50 @@ class SlowRank:
     windows global rank 0 gathers into ranks.jsonl (this attempt's only), marked in slow.json with
     a line in the log, cleared (the file removed, a line said) when the rank catches up."""
 
+    TAIL = 1 << 20  # the bytes of ranks.jsonl read for its last windows: two lines of ~3,000 ranks
+
     def __init__(self, run):
         self.run, self.size, self.mark = run, size_of(run / RunDir.RANKS), None
         self.start = self.size
         (run / RunDir.SLOW).unlink(missing_ok=True)
+
+    def windows(self):
+        """The attempt's last windows, whole lines only (rank 0 may be writing the next)."""
+        try:
+            data, _ = read_tail(self.run / RunDir.RANKS, self.TAIL, self.start)
+        except OSError:
+            return None
+        lines = data.decode(errors="replace").split("\n")[:-1]  # the part after the last newline is unwritten
+        out = []
+        for line in lines[-stragglers.CONSISTENT:]:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def check(self):
         size = size_of(self.run / RunDir.RANKS)
         if size == self.size:
             return self.mark
         self.size = size
-        try:
-            data, _ = read_tail(self.run / RunDir.RANKS, 65536, self.start)
-        except OSError:
+        windows = self.windows()
+        if windows is None:
             return self.mark
-        windows = []
-        for line in data.decode(errors="replace").splitlines()[-stragglers.CONSISTENT:]:
-            try:
-                windows.append(json.loads(line))
-            except ValueError:
-                continue
         mark = stragglers.verdict(windows)
+        step = windows[-1].get("step") if windows else "?"
+        if self.mark and (not mark or mark["rank"] != self.mark["rank"]):
+            print(f"[dsc_node] slow rank {self.mark['rank']} on {self.mark.get('node')} caught up (step {step})",
+                  flush=True)
         if mark:
-            best_effort(write_atomic, self.run / RunDir.SLOW, json.dumps(dict(mark, said=stragglers.said(mark))) + "\n")
-            if not self.mark or self.mark["rank"] != mark["rank"]:
+            if self.mark and mark["rank"] == self.mark["rank"]:
+                mark["since_step"] = self.mark["since_step"]  # marked since its first windows, not the last
+            else:
                 print(f"[dsc_node] slow rank: {stragglers.said(mark)}", flush=True)
+            best_effort(write_atomic, self.run / RunDir.SLOW,
+                        json.dumps(dict(mark, said=stragglers.said(mark), short=stragglers.short(mark))) + "\n")
         elif self.mark:
             (self.run / RunDir.SLOW).unlink(missing_ok=True)
-            print(f"[dsc_node] slow rank {self.mark['rank']} on {self.mark.get('node')} caught up "
-                  f"(step {windows[-1].get('step') if windows else '?'})", flush=True)
         self.mark = mark
         return mark
 

@@ -93,9 +93,8 @@ def progress_line(stdout, now=None):
         parts.append(f"ranks alive {st.get('ranks_alive', 0)} on {st.get('host', 'this node')}")
     if st.get("restarts"):
         parts.append(f"restarts {st['restarts']}")
-    slow = st.get("slow") or {}
-    if slow.get("rank") is not None:  # the rank the others wait for (dscnode.stragglers)
-        parts.append(f"slow: {slow.get('node')} rank {slow['rank']} ({slow.get('ratio')}x the median compute)")
+    if (st.get("slow") or {}).get("short"):  # the rank the others wait for (dscnode.stragglers)
+        parts.append(f"slow: {st['slow']['short']}")
     return ", ".join(parts)
 
 

@@ -109,8 +109,8 @@ def runs_table(rows):
     lines = ["run | config | state | step | loss | throughput | started (UTC) | duration | restarts"]
     for r in rows or []:
         started = datetime.datetime.fromtimestamp(r["started"], datetime.UTC)
-        slow = r.get("slow") or {}
-        state = r["state"] + (f" (slow: {slow.get('node')} rank {slow['rank']})" if slow.get("rank") is not None else "")
+        slow = (r.get("slow") or {}).get("short")  # the rank the others wait for (dscnode.stragglers)
+        state = r["state"] + (f" (slow: {slow})" if slow else "")
         lines.append(" | ".join([r["id"], cell(r.get("config")), state, cell(r.get("step")),
                                  cell(r.get("loss"), "{:.4g}"), throughput(r),
                                  started.strftime("%Y-%m-%d %H:%M"),

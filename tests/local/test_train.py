@@ -1,4 +1,5 @@
-"""train/ on CPU: 2 gloo ranks on this machine, started by DeepSpeed's own launcher.
+"""train/ on CPU: 2 gloo ranks on this machine, started by DeepSpeed's own launcher; and the
+entry shim's per-rank times on a user's own loop (tests/fixtures/straggler.py).
 
 These need torch and DeepSpeed on the control node: the test command builds .cache/train-venv
 from the offline wheelhouse (scripts/test.sh, before the local tier). They need no container.

@@ -156,6 +156,11 @@ def _check_launch_settings(s, where, problems):
     else:
         for key, value in env.items():
             check_env_var(problems, key, value, f"dsc_rank_env {where}")
+        window = env.get("DSC_RANK_WINDOW")
+        if window is not None and (not is_int(window) or int(window) < 0):
+            problems.add(f"dsc_rank_env {where}: DSC_RANK_WINDOW is {str(window)!r}. Fix: the steps of "
+                         f"each window of the slow-rank measurement, a whole number (10 by default; "
+                         f"0 turns it off).")
 
 
 INDEX_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~:/@%+-]*)?")
