@@ -166,6 +166,7 @@ BAD = [
     ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(id)"}}, "the value of NCCL_DEBUG is 'WARN$(id)'"),
     ({"dsc_rank_env": {"HF_TOKEN": "abc"}}, "HF_TOKEN looks like a secret"),
     ({"dsc_rank_env": {"BAD NAME": "x"}}, "'BAD NAME' is not a plain variable name"),
+    ({"dsc_rank_env": {"DSC_RANK_WINDOW": "1.5"}}, "dsc_rank_env on host node1: DSC_RANK_WINDOW is '1.5'. Fix: the steps of each window"),
     ({"dsc_addr": "10.0.0.300"}, "dsc_addr on host node1 is '10.0.0.300', not an IPv4 address"),
     ({"dsc_addr": "10.0.0.11\nProxyCommand x"}, "dsc_addr on host node1"),
     ({"dsc_rank_env": {"MLFLOW_TRACKING_URI": "https://user:pw@mlflow.lab"}}, "holds a password in a URL"),
