@@ -181,9 +181,10 @@ def test_plot_draws_several_runs_in_one_picture(followed, cluster):
 
 
 SLOW_RUN = "w-slow"
-# Windows of 5 steps (DSC_RANK_WINDOW; 10 by default): a mark after 2 in a row, cleared at the first
-# window the rank has caught up in. Steps unpaced, so that each rank's own work is its CPU's.
-SLOW_WINDOW = 5
+# Windows of 10 steps (the default): a mark after 3 in a row, cleared at the first window the rank
+# has caught up in. Steps unpaced, so that each rank's own work is its CPU's, and longer than the
+# tiny model's (sequences of 256), so that a step is more than this busy machine's scheduling.
+SLOW_TRAIN = dict(TINY, **dict(UNTIL_STOPPED, min_step_s=0), seq_len=256, save_every=100000)
 
 
 def _slow_mark(cluster):
@@ -202,16 +203,15 @@ def test_a_rank_slowed_mid_run_is_named_while_it_moves_and_cleared_when_it_catch
     marked = cluster.exec(cluster.master, "grep -l 'slow rank' " + " ".join(f"{d}/launcher.log" for d in earlier),
                           check=False).stdout
     assert f"{RUNS}/{FOLLOWED_RUN}/ranks.jsonl" in kept and marked == "", (kept, marked)
-    launch(cluster, SLOW_RUN, *e(dsc_train_config=dict(TINY, **UNTIL_STOPPED, min_step_s=0, save_every=100000),
-                                 dsc_rank_env={"DSC_RANK_WINDOW": str(SLOW_WINDOW)}))
+    launch(cluster, SLOW_RUN, *e(dsc_train_config=SLOW_TRAIN))
     worker, limited = cluster.names[1], False
-
-    def step():
-        return (cluster.run_status(SLOW_RUN).get("last") or {}).get("step") or 0
 
     def windows():
         r = cluster.exec(cluster.master, f"cat {RUNS}/{SLOW_RUN}/ranks.jsonl", check=False)
         return [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+
+    def step():  # the step of the last window written
+        return (windows() or [{"step": 0}])[-1]["step"]
     try:
         wait(lambda: len(windows()) >= 6, 180, "six windows of the healthy run")
         healthy = windows()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 SLOW_RATIO = 1.5
 WAIT_SHARE = 0.2
-CONSISTENT = 2
+CONSISTENT = 3  # windows in a row: one or two noisy windows (a rank descheduled a while) name nobody
 FLOOR_SHARE = 0.01  # the least compute a ratio is taken against, as a share of the step
 
 
