@@ -239,7 +239,10 @@ class Checkpoints:
 
 def train_step(engine, batches, cfg, step: int, ga: int, world: int, device: str):
     """One optimizer step of ga micro-batches: (the loss averaged over the ranks, lr, seconds). A
-    paced run (min_step_s) sleeps the rest of the step after it: the seconds are the step's own."""
+    paced run (min_step_s) sleeps the rest of the step before the loss's all-reduce, so that every
+    rank leaves the step at once: slept after it, a rank held up once (a stop while it slept) would
+    start each later step behind the others and look, to the ranks' times (ranktimes.py), like a
+    rank the others wait for. The seconds are the step's own, the sleep left out."""
     t0 = time.time()
     lr = lr_at(cfg, step)
     for group in engine.optimizer.param_groups:
@@ -252,14 +255,15 @@ def train_step(engine, batches, cfg, step: int, ga: int, world: int, device: str
         engine.step()
         loss_sum += loss.detach().float()
     loss_t = torch.as_tensor(loss_sum / ga, device=engine.device, dtype=torch.float32)
-    torch.distributed.all_reduce(loss_t)
-    mean_loss = loss_t.item() / world
     if device == "cuda":
         torch.cuda.synchronize()
     dt = time.time() - t0
     if cfg.min_step_s > dt:
         time.sleep(cfg.min_step_s - dt)
-    return mean_loss, lr, dt
+    t1 = time.time()
+    torch.distributed.all_reduce(loss_t)
+    mean_loss = loss_t.item() / world
+    return mean_loss, lr, dt + time.time() - t1
 
 
 def rss_max_gib() -> float:
