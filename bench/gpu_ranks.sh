@@ -30,7 +30,7 @@ for rep in $(seq "$repeats"); do
     order="10 0"; [ $((rep % 2)) = 0 ] && order="0 10"
     for window in $order; do
       id=$p-w$window-$rep; run=/tmp/runs/$id; mkdir -p "$run"
-      DSC_RUN_DIR=$run DSC_RANK_WINDOW=$window /opt/torch/.venv/bin/deepspeed --num_gpus 1 --master_port 29610 \
+      DSC_RUN_DIR=$run DSC_RANK_WINDOW=$window $py /tmp/nodesite/bin/deepspeed --num_gpus 1 --master_port 29610 \
         --module dscnode entry --module train.run --deepspeed_config "/tmp/ds_$p.json" \
         --set size=1.3b --set seq_len=2048 --set steps="$steps" --set save_final=false > "$out/log-$id.txt" 2>&1 \
         || { echo "$id failed"; tail -30 "$out/log-$id.txt"; exit 1; }
