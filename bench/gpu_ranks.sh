@@ -3,13 +3,14 @@
 # docs/runs.md): train.run's 1.42 B GPT through the node helper's entry shim, as every launch
 # starts it, with the ranks' times on (DSC_RANK_WINDOW=10, the default) and off (0), alternated,
 # REPEATS times for each preset; prints each run's tokens/s and, per preset, the ratio of on to off
-# in this call. The ds_config is the preset's as the plan renders it for one bf16 GPU.
+# in this call. The ds_config is the preset's as the plan renders it for GPUS bf16 GPUs.
 #
-#   bench/gpu_ranks.sh WHEELS_DIR "zero2 zero3" [REPEATS] [STEPS]
+#   [GPUS=N] bench/gpu_ranks.sh WHEELS_DIR "zero2 zero3" [REPEATS] [STEPS]
 #     WHEELS_DIR  DeepSpeed's wheel and the node's missing dependencies (docs/benchmarks.md)
+#     GPUS        ranks on this machine's GPUs (default 1); the global batch is 8 sequences a rank
 # Everything lands in $OUT (default ./gpu-results): ranks-*.jsonl, summary-*.json, ranks.txt.
 set -uo pipefail
-wheels=$(realpath "$1"); presets=${2:-zero2 zero3}; repeats=${3:-2}; steps=${4:-40}
+wheels=$(realpath "$1"); presets=${2:-zero2 zero3}; repeats=${3:-2}; steps=${4:-40}; gpus=${GPUS:-1}
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
 py=/opt/torch/.venv/bin/python3
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,11 +18,11 @@ $py -m pip install -q --no-index --no-deps --target /tmp/nodesite "$wheels"/*.wh
 export PYTHONPATH=/tmp/nodesite:$root/node:$root PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 \
   TORCH_EXTENSIONS_DIR=/tmp/torch_extensions NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for p in $presets; do
-  PYTHONPATH=$PYTHONPATH:$root/plugins/module_utils $py - "$root/templates" "$p" > "/tmp/ds_$p.json" <<'PY' || exit 1
+  PYTHONPATH=$PYTHONPATH:$root/plugins/module_utils $py - "$root/templates" "$p" "$gpus" > "/tmp/ds_$p.json" <<'PY' || exit 1
 import json, sys
 from dscplan.deepspeed_config import ds_config
 print(json.dumps(ds_config(sys.argv[1], sys.argv[2], "cuda", ["9.0"],
-                           {"micro_batch": 8, "grad_accum": 1, "train_batch": 8}, {})))
+                           {"micro_batch": 8, "grad_accum": 1, "train_batch": 8 * int(sys.argv[3])}, {})))
 PY
 done
 for rep in $(seq "$repeats"); do
@@ -30,7 +31,7 @@ for rep in $(seq "$repeats"); do
     order="10 0"; [ $((rep % 2)) = 0 ] && order="0 10"
     for window in $order; do
       id=$p-w$window-$rep; run=/tmp/runs/$id; mkdir -p "$run"
-      DSC_RUN_DIR=$run DSC_RANK_WINDOW=$window $py /tmp/nodesite/bin/deepspeed --num_gpus 1 --master_port 29610 \
+      DSC_RUN_DIR=$run DSC_RANK_WINDOW=$window $py /tmp/nodesite/bin/deepspeed --num_gpus "$gpus" --master_port 29610 \
         --module dscnode entry --module train.run --deepspeed_config "/tmp/ds_$p.json" \
         --set size=1.3b --set seq_len=2048 --set steps="$steps" --set save_final=false > "$out/log-$id.txt" 2>&1 \
         || { echo "$id failed"; tail -30 "$out/log-$id.txt"; exit 1; }

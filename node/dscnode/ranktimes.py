@@ -21,9 +21,11 @@ class RankTimes:
     where it is asynchronous; a rank's comm time is the union of its spans (overlapping
     collectives count once). On CPU ranks (gloo) the spans are wall time; on GPU ranks, CUDA
     events recorded on the calling stream at both ends, read once they have completed, so that
-    nothing waits for the GPU to measure them: the window's gather (a small all_gather_object) is
-    all the measurement adds to the run's own collectives. Timing starts at the first optimizer
-    step. Off with DSC_RANK_WINDOW=0."""
+    nothing waits for the GPU to measure them: the window's gather (a small all_gather_object,
+    which waits for the GPU once a window, as any collective does) is all the measurement adds to
+    the run's own collectives. Timing starts once an optimizer step has ended after the first
+    call (which may come from a micro-step, or the set-up before it). Off with
+    DSC_RANK_WINDOW=0."""
 
     WINDOW_STEPS = 10  # steps a window covers (DSC_RANK_WINDOW overrides it)
     METHODS = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
@@ -40,7 +42,7 @@ class RankTimes:
         self.origin = None  # GPU: the first completed event, which span positions are measured from
         self.spans, self.open, self.calls = [], [], 0  # (start_s, end_s) this window; GPU event pairs unread
         self.gathered_s = 0.0  # the last gather's wait, comm time of the window after it
-        self.work = ()  # torch.distributed.Work: an asynchronous collective's handle
+        self.handle_type = ()  # torch.distributed.Work: an asynchronous collective's handle
         self.steps, self.step_s, self.last, self.global_step = 0, 0.0, None, None
 
     @classmethod
@@ -58,7 +60,7 @@ class RankTimes:
 
     def __call__(self, module):
         backend = module.TorchBackend
-        self.work = getattr(sys.modules["torch"].distributed, "Work", ())
+        self.handle_type = getattr(sys.modules["torch"].distributed, "Work", ())
         for name in self.METHODS:
             if hasattr(backend, name):
                 setattr(backend, name, self.timed(getattr(backend, name)))
@@ -68,17 +70,17 @@ class RankTimes:
 
         @functools.wraps(fn)
         def collective(*args, **kwargs):
-            start = hook.mark() if hook.timing else None
+            start = hook.span_start() if hook.timing else None
             out = fn(*args, **kwargs)
             if start is None:
                 return out
-            if hook.work and isinstance(out, hook.work):
+            if hook.handle_type and isinstance(out, hook.handle_type):
                 return TimedHandle(out, hook, start)  # asynchronous: its span ends at wait()
-            hook.done(start)
+            hook.span_end(start)
             return out
         return collective
 
-    def mark(self):
+    def span_start(self):
         """A collective's start: a CUDA event recorded on the calling stream on GPU ranks, the wall
         time on CPU ranks; None once timing broke."""
         try:
@@ -91,7 +93,7 @@ class RankTimes:
             self.broke(e)
             return None
 
-    def done(self, start):
+    def span_end(self, start):
         """A collective's end (its return, or its handle's wait)."""
         if not self.timing:
             return
@@ -108,7 +110,7 @@ class RankTimes:
             self.broke(e)
 
     def broke(self, e):
-        self.timing, self.broken = False, f"{type(e).__name__}: {e}"
+        self.timing, self.broken, self.open = False, f"{type(e).__name__}: {e}", []
         print(f"[dsc_node] this rank's collectives are not timed any more: {self.broken}", file=sys.stderr)
 
     def read_events(self):
@@ -138,11 +140,14 @@ class RankTimes:
         """An optimizer step (the engine's step at a gradient-accumulation boundary) has ended. Every
         rank comes here at the same steps, so every rank gathers at the same ones: nothing here
         may make one rank skip a gather the others make (they would wait in it for ever)."""
+        if self.global_step is None:  # the first call (a micro-step maybe): what came before is set-up
+            self.global_step = engine.global_steps
+            return
         if engine.global_steps == self.global_step:
             return  # a micro-step within the accumulation
         now = time.perf_counter()
         self.global_step = engine.global_steps
-        if self.last is None:  # the first step: timing starts
+        if self.last is None:  # the first whole optimizer step ended: timing starts
             torch = sys.modules["torch"]
             self.cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
             self.timing = self.broken is None
@@ -198,7 +203,7 @@ class TimedHandle:
     def wait(self, *args, **kwargs):
         out = self._handle.wait(*args, **kwargs)
         if self._start is not None:
-            self._times.done(self._start)
+            self._times.span_end(self._start)
             self._start = None
         return out
 

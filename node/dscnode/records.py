@@ -316,17 +316,34 @@ def log_tail(run_dir, run_id, lines=20, hosts=()):
 
 def history(run_dir):
     """What plots draw: {"steps": every logged step of the run (train.run's metrics.jsonl, else
-    the entry shim's progress.jsonl), "ranks": every window of each rank's step and collective
-    times (ranks.jsonl)}."""
+    the entry shim's progress.jsonl), "ranks": every window of ranks.jsonl as {step, ranks: [{rank,
+    node, compute_s}]}, the rest of each rank's figures left here}. A line that is not a JSON object
+    (one rank 0 is still writing) is passed over."""
     run = RunDir(run_dir)
-    out = {"steps": [], "ranks": []}
-    for key, names in (("steps", (RunDir.METRICS, RunDir.PROGRESS)), ("ranks", (RunDir.RANKS,))):
-        for name in names:
+
+    def lines(name):
+        rows = []
+        for x in read_text(run / name, HISTORY_LIMIT).splitlines():
             try:
-                out[key] = [json.loads(x) for x in read_text(run / name, HISTORY_LIMIT).splitlines() if x.strip()]
-                break
-            except (OSError, ValueError):
+                row = json.loads(x)
+            except ValueError:
                 continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+    out = {"steps": [], "ranks": []}
+    for name in (RunDir.METRICS, RunDir.PROGRESS):
+        try:
+            out["steps"] = lines(name)
+            break
+        except OSError:
+            continue
+    try:
+        out["ranks"] = [{"step": w.get("step"), "ranks": [{k: r.get(k) for k in ("rank", "node", "compute_s")}
+                                                          for r in w.get("ranks") or [] if isinstance(r, dict)]}
+                        for w in lines(RunDir.RANKS)]
+    except OSError:
+        pass
     return out
 
 

@@ -239,12 +239,29 @@ def size_of(path):
         return 0
 
 
+def last_lines(path, count, size=65536, start=0):
+    """The last `count` JSON objects of a jsonl file, oldest first, from its last `size` bytes
+    (and, with `start`, written past that byte offset): whole lines only, the part after the last
+    newline being still written; a line that is not a JSON object is passed over. [] when the
+    file cannot be read."""
+    try:
+        data, _ = read_tail(path, size, start)
+    except OSError:
+        return []
+    found = []
+    for line in reversed(data.decode(errors="replace").split("\n")[:-1]):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            found.append(value)
+            if len(found) == count:
+                break
+    return found[::-1]
+
+
 def last_line(path, start=0):
     """The last JSON line of a jsonl file (train.run's metrics, any script's progress), or None;
     with `start`, only a line written past that byte offset counts."""
-    try:
-        data, _ = read_tail(path, 65536, start)
-        lines = data.decode(errors="replace").strip().splitlines()
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        return None
+    return next(iter(last_lines(path, 1, start=start)), None)

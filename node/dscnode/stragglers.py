@@ -10,7 +10,9 @@ rank is slow when its compute is SLOW_RATIO times the median of the others' and 
 WAIT_SHARE of each step or more in collectives beyond its own time in them (their wait for it: a
 transfer takes as long for each), in CONSISTENT windows in a row; the mark clears at the first
 window where it is not so. A run whose ranks are alike is never marked (the ratio is about 1),
-nor one bound by its network (every rank waits alike).
+nor one bound by its network (every rank waits alike): a slow link or NIC is not named here, it
+is doctor.yml's to measure. The others are the ranks of the other nodes, so that a node slowed
+as a whole stands out against them.
 
 Why it holds where collectives overlap compute:
 - ZeRO-1: the gradients are all-reduced at the step, after the backward: no overlap, the
@@ -43,15 +45,24 @@ def median(values):
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
+def usable(window):
+    """The window's rank entries that carry figures (a rank whose timing broke sends an error)."""
+    return [r for r in (window or {}).get("ranks") or []
+            if isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("step_s", "comm_s", "compute_s"))]
+
+
 def judge(window):
     """One window's slow rank, or None: {rank, node, ratio, wait_share, compute_s, median_s}.
-    `window`: {"ranks": [{rank, node, step_s, comm_s, compute_s}, ...]}, as rank 0 writes it."""
-    ranks = [r for r in (window or {}).get("ranks") or []
-             if isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("step_s", "comm_s", "compute_s"))]
+    `window`: {"ranks": [{rank, node, step_s, comm_s, compute_s}, ...]}, as rank 0 writes it.
+    The others are the ranks of the other nodes (those of the same node where there is one node):
+    a node slowed as a whole (its CPU, its power) slows all its ranks alike, and against its own
+    ranks none would stand out."""
+    ranks = usable(window)
     if len(ranks) < 2:
         return None
     slowest = max(ranks, key=lambda r: r["compute_s"])
-    others = [r for r in ranks if r is not slowest]
+    others = ([r for r in ranks if r.get("node") != slowest.get("node")]
+              or [r for r in ranks if r is not slowest])
     typical = median(r["compute_s"] for r in others)
     # the others' time in collectives beyond the slow rank's own: their wait for it
     wait = median((r["comm_s"] - slowest["comm_s"]) / r["step_s"] for r in others if r["step_s"] > 0)
@@ -68,16 +79,28 @@ def judge(window):
 
 
 def verdict(windows):
-    """The mark over the last windows (oldest first): the slow rank of the last CONSISTENT windows
-    when it is the same in each, with the latest window's figures and the step it came at; None
-    otherwise (never marked, or cleared by the last window)."""
+    """The mark over the last windows (oldest first): when the last CONSISTENT windows each name a
+    rank of the same node (of a node slowed as a whole, which of its ranks is slowest varies), the
+    latest window's rank and figures, its step, and since_step, the step of the first of those
+    windows; None otherwise (never marked, or cleared by the last window)."""
     recent = list(windows or [])[-CONSISTENT:]
     if len(recent) < CONSISTENT:
         return None
     judged = [judge(w) for w in recent]
-    if any(j is None for j in judged) or len({j["rank"] for j in judged}) != 1:
+    if any(j is None for j in judged) or len({j["node"] for j in judged}) != 1:
         return None
     return dict(judged[-1], step=recent[-1].get("step"), since_step=recent[0].get("step"), windows=CONSISTENT)
+
+
+def cleared(mark, window):
+    """Why a mark ended, in words, from the window that ended it: the marked node's ranks catching
+    up, or sending no figures (their timing broke: the error they sent)."""
+    if any(r.get("node") == mark.get("node") for r in usable(window)):
+        return f"caught up (step {window.get('step')})"
+    errors = {r.get("error") for r in (window or {}).get("ranks") or []
+              if isinstance(r, dict) and r.get("node") == mark.get("node") and r.get("error")}
+    return (f"sent no figures at step {window.get('step')}, so it is no longer judged"
+            + (f": {'; '.join(sorted(map(str, errors)))}" if errors else ""))
 
 
 def short(mark):
@@ -91,5 +114,4 @@ def said(mark):
     return (f"{node} rank {rank}: {mark['ratio']:.1f}x the median compute, the others wait "
             f"{100 * mark['wait_share']:.0f} % of each step for it (since step {mark.get('since_step')}). "
             f"Fix: look at {node}: its GPU's throttle reasons (nvidia-smi -q -d PERFORMANCE), its CPU "
-            f"(other processes, a CPU quota: top), its NIC (ip -s link: errors, drops); doctor.yml "
-            f"measures its links.")
+            f"(other processes, a CPU quota: top), its data loading (disk, workers).")

@@ -17,7 +17,7 @@ from dscnode import stragglers
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
 from dscnode.records import step_downs
-from dscnode.rundir import RunDir, append_line, last_line, read_json, read_tail, size_of, write_atomic
+from dscnode.rundir import RunDir, append_line, last_line, last_lines, read_json, size_of, write_atomic
 from dscnode.safe import SHELL_SAFE, latest_glob
 from dscnode.stacks import at_stall
 
@@ -63,47 +63,34 @@ def describe(cause):
 
 
 class SlowRank:
-    """The rank the others wait for, while the run moves (dscnode.stragglers): judged from the
+    """The node the others wait for, while the run moves (dscnode.stragglers): judged from the
     windows global rank 0 gathers into ranks.jsonl (this attempt's only), marked in slow.json with
-    a line in the log, cleared (the file removed, a line said) when the rank catches up."""
+    a line in the log, cleared (the file removed, a line said) when it catches up, or when its
+    ranks no longer send figures (said as that, not as caught up)."""
 
-    TAIL = 1 << 20  # the bytes of ranks.jsonl read for its last windows: two lines of ~3,000 ranks
+    # The bytes of ranks.jsonl read for its last CONSISTENT windows: a rank's entry is ~120 bytes,
+    # so 3 lines of ~10,000 ranks.
+    TAIL = 4 << 20
 
     def __init__(self, run):
         self.run, self.size, self.mark = run, size_of(run / RunDir.RANKS), None
         self.start = self.size
         (run / RunDir.SLOW).unlink(missing_ok=True)
 
-    def windows(self):
-        """The attempt's last windows, whole lines only (rank 0 may be writing the next)."""
-        try:
-            data, _ = read_tail(self.run / RunDir.RANKS, self.TAIL, self.start)
-        except OSError:
-            return None
-        lines = data.decode(errors="replace").split("\n")[:-1]  # the part after the last newline is unwritten
-        out = []
-        for line in lines[-stragglers.CONSISTENT:]:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
-
     def check(self):
         size = size_of(self.run / RunDir.RANKS)
         if size == self.size:
             return self.mark
         self.size = size
-        windows = self.windows()
-        if windows is None:
+        windows = last_lines(self.run / RunDir.RANKS, stragglers.CONSISTENT, self.TAIL, self.start)
+        if not windows:
             return self.mark
         mark = stragglers.verdict(windows)
-        step = windows[-1].get("step") if windows else "?"
-        if self.mark and (not mark or mark["rank"] != self.mark["rank"]):
-            print(f"[dsc_node] slow rank {self.mark['rank']} on {self.mark.get('node')} caught up (step {step})",
-                  flush=True)
+        if self.mark and (not mark or mark["node"] != self.mark["node"]):
+            print(f"[dsc_node] slow rank {self.mark['rank']} on {self.mark['node']} "
+                  f"{stragglers.cleared(self.mark, windows[-1])}", flush=True)
         if mark:
-            if self.mark and mark["rank"] == self.mark["rank"]:
+            if self.mark and mark["node"] == self.mark["node"]:
                 mark["since_step"] = self.mark["since_step"]  # marked since its first windows, not the last
             else:
                 print(f"[dsc_node] slow rank: {stragglers.said(mark)}", flush=True)

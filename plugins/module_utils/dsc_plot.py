@@ -28,9 +28,13 @@ def rate_key(rows):
     return "tokens_per_s" if any(r.get("tokens_per_s") is not None for r in rows) else "samples_per_s"
 
 
+RANK_LINES = 8  # ranks drawn one line each; with more, the median and the RANK_LINES - 1 slowest at their peak
+
+
 def rank_series(windows):
     """{label "node rank N": (steps, compute seconds per step)} from the ranks' windows: each
-    rank's step time outside collectives, the line that stands out for a slow rank."""
+    rank's step time outside collectives, the line that stands out for a slow rank. With more
+    than RANK_LINES ranks, a "median" line and the ranks whose compute was highest at some window."""
     out = {}
     for w in windows or []:
         for r in (w or {}).get("ranks") or []:
@@ -38,7 +42,15 @@ def rank_series(windows):
                 steps, values = out.setdefault(f"{r.get('node', '?')} rank {r.get('rank')}", ([], []))
                 steps.append(w.get("step"))
                 values.append(r["compute_s"])
-    return out
+    if len(out) <= RANK_LINES:
+        return out
+    by_step = {}
+    for steps, values in out.values():
+        for step, value in zip(steps, values, strict=True):
+            by_step.setdefault(step, []).append(value)
+    median = {step: sorted(v)[len(v) // 2] for step, v in by_step.items()}
+    slowest = sorted(out, key=lambda label: max(out[label][1]), reverse=True)[:RANK_LINES - 1]
+    return {"median": (list(median), list(median.values())), **{label: out[label] for label in slowest}}
 
 
 def plot(histories, out_path):
@@ -80,7 +92,7 @@ def plot(histories, out_path):
     fig.savefig(part, dpi=100, format="png")
     plt.close(fig)
     os.replace(part, out_path)
-    return {"path": str(out_path), "runs": list(histories), "points": points}
+    return {"path": str(out_path), "runs": list(histories), "points": points, "panels": panels}
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def test_two_runs_make_one_png_with_both(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "plugins" / "module_utils" / "dsc_plot.py"), str(out)],
                        input=json.dumps(histories), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"path": str(out), "runs": ["zero2-a", "own-clm"], "points": 48}
+    assert json.loads(r.stdout) == {"path": str(out), "runs": ["zero2-a", "own-clm"], "points": 48, "panels": 2}
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000  # a real picture, not an empty frame
     assert [f.name for f in tmp_path.iterdir()] == ["runs.png"]  # written beside, renamed over: no part left
@@ -64,4 +64,10 @@ def test_each_ranks_compute_is_drawn_where_the_ranks_times_were_gathered(tmp_pat
                        input=json.dumps({"slow": {"steps": [{"step": s, "loss": 1.0} for s in range(1, 81)], "ranks": windows}}),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(r.stdout)["panels"] == 3 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # 16 ranks: the median and the 7 whose compute peaked highest, not 16 lines
+    many = [{"step": 10 * k, "ranks": [{"rank": r, "node": f"node{r // 8 + 1}", "compute_s": 0.1 + r / 1000}
+                                       for r in range(16)]} for k in range(1, 4)]
+    drawn = dsc_plot.rank_series(many)
+    assert list(drawn) == ["median"] + [f"node2 rank {r}" for r in range(15, 8, -1)], list(drawn)
+    assert drawn["median"] == ([10, 20, 30], [0.1 + 8 / 1000] * 3)

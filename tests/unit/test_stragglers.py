@@ -6,6 +6,8 @@ for it in windows in a row, cleared when it catches up, and a run of alike ranks
     .venv/bin/pytest tests/unit/test_stragglers.py -q
 """
 import json
+import sys
+import types
 
 from dscnode import ranktimes, stragglers
 from dscnode.rundir import RunDir
@@ -79,3 +81,89 @@ def test_a_ranks_time_in_collectives_counts_overlapping_spans_once():
     """ZeRO-3 gathers the next parameters while the last gather is still open: their union."""
     assert ranktimes.RankTimes.union([(0.0, 1.0), (0.5, 1.5), (2.0, 2.5), (2.1, 2.2)]) == 2.0
     assert ranktimes.RankTimes.union([]) == 0.0
+
+
+def test_a_node_slowed_as_a_whole_is_marked_whichever_of_its_ranks_is_slowest():
+    """Two nodes of two ranks: node2's CPU is slow, so both its ranks are; which of them comes out
+    slowest changes from window to window, and the mark stays on node2. Against its own ranks
+    alone neither would stand out: the others are the other node's ranks."""
+    def two_by_two(step, computes):
+        return {"step": step, "ranks": [{"rank": r, "node": f"node{r // 2 + 1}", "step_s": 0.5,
+                                         "comm_s": 0.5 - c, "compute_s": c} for r, c in enumerate(computes)]}
+    windows = [two_by_two(10, [0.1, 0.1, 0.40, 0.38]), two_by_two(20, [0.1, 0.1, 0.37, 0.41]),
+               two_by_two(30, [0.1, 0.1, 0.42, 0.39])]
+    mark = stragglers.verdict(windows)
+    assert (mark["node"], mark["rank"], mark["since_step"], mark["ratio"]) == ("node2", 2, 10, 4.2)
+
+
+def test_a_marked_rank_that_sends_no_figures_is_not_said_to_have_caught_up(tmp_path, capsys):
+    """Its timing broke (a CUDA error): its entry carries the error, the mark ends, and the log says
+    why, not "caught up". Lines that are not a window (a stray value) are passed over."""
+    ranks = tmp_path / RunDir.RANKS
+    slow = SlowRank(RunDir(tmp_path))
+    for step in (10, 20, 30):
+        with open(ranks, "a") as f:
+            f.write(json.dumps(window(step, [0.1, 0.4])) + "\n[]\n")
+    assert slow.check()["rank"] == 1
+    broken = {"step": 40, "ranks": [window(40, [0.1])["ranks"][0],
+                                    {"rank": 1, "node": "node2", "error": "RuntimeError: CUDA error"}]}
+    with open(ranks, "a") as f:
+        f.write(json.dumps(broken) + "\n")
+    assert slow.check() is None and not (tmp_path / RunDir.SLOW).exists()
+    log = capsys.readouterr().out
+    assert ("slow rank 1 on node2 sent no figures at step 40, so it is no longer judged: RuntimeError: CUDA error"
+            in log) and "caught up" not in log
+
+
+class FakeEvent:
+    """torch.cuda.Event as RankTimes uses it: recorded at a time on the GPU, done or not yet."""
+    clock, done = 0.0, set()
+
+    def __init__(self, enable_timing):
+        assert enable_timing
+
+    def record(self):
+        self.at = FakeEvent.clock
+
+    def query(self):
+        return self.at in FakeEvent.done
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000  # milliseconds, as CUDA gives them
+
+
+def test_gpu_spans_are_read_once_their_events_complete_and_an_error_stops_timing(monkeypatch, capsys):
+    """On GPU ranks a span is two CUDA events, read at each optimizer step once the GPU has passed
+    them: a span whose end has not completed is kept for the next step, an asynchronous one ends at
+    its handle's wait(), and an error reading them stops timing (its events dropped) without
+    failing the rank. Timing starts once a whole optimizer step has ended."""
+    cuda = types.SimpleNamespace(Event=FakeEvent, is_available=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    times, engine = ranktimes.RankTimes("/nonexistent", 10), types.SimpleNamespace(global_steps=0, global_rank=0)
+    times.stepped(engine)  # the first call, after a micro-step: set-up, not timed
+    assert not times.timing
+    engine.global_steps = 1
+    times.stepped(engine)
+    assert times.timing and times.cuda
+    FakeEvent.clock, FakeEvent.done = 1.0, set()
+    start = times.span_start()
+    FakeEvent.clock = 1.25
+    times.span_end(start)  # a blocking collective: 0.25 s on the GPU
+    FakeEvent.clock = 2.0
+    handle = ranktimes.TimedHandle(types.SimpleNamespace(wait=lambda: "waited", tag="work"), times, times.span_start())
+    FakeEvent.clock = 2.5
+    assert handle.wait() == "waited" and handle.wait() == "waited" and handle.tag == "work"  # ends once
+    FakeEvent.done = {1.0, 1.25, 2.0}  # the GPU has not reached the second span's end yet
+    engine.global_steps = 2
+    times.stepped(engine)
+    assert times.spans == [(0.0, 0.25)] and len(times.open) == 1 and times.calls == 2
+    FakeEvent.done.add(2.5)
+    engine.global_steps = 3
+    times.stepped(engine)
+    assert times.spans == [(0.0, 0.25), (1.0, 1.5)] and times.open == []
+    times.open = [(start, types.SimpleNamespace(query=lambda: 1 / 0))]
+    engine.global_steps = 4
+    times.stepped(engine)
+    assert not times.timing and times.open == [] and "ZeroDivisionError" in times.broken
+    assert "not timed any more" in capsys.readouterr().err
