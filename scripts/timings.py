@@ -72,10 +72,12 @@ def record(rows, **meta):
 
 
 def last_file_seconds(history=None):
-    """{test file: seconds} of the container tier in the last run that ran it whole (empty before
-    any): scripts/suite.py hands the files to its workers longest first."""
+    """{test file: seconds} of the container tier in the last run that ran it whole, to its end
+    (empty before any; a run interrupted within the tier holds only the files it reached):
+    scripts/suite.py hands the files to its workers longest first."""
     for run in reversed(load(history or HISTORY)):
-        if run.get("container_files") and not run.get("args"):
+        outcome = str(((run.get("tiers") or {}).get("container") or {}).get("outcome"))
+        if run.get("container_files") and not run.get("args") and outcome.startswith(("passed", "failed")):
             return run["container_files"]
     return {}
 

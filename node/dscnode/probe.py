@@ -22,37 +22,67 @@ from dscnode.ufw import rule_files
 
 def sha256(path, limit=LOCK_LIMIT):
     """A regular file's sha256, read as open_regular allows (never through a link, never a FIFO,
-    at most `limit` bytes: the probe runs as root, also in directories the training user
-    writes); None for anything else (a refusal is in rundir.REFUSED)."""
+    at most `limit` bytes, also where the file grows while read: the probe runs as root, also in
+    directories the training user writes); None for anything else (a refusal is in rundir.REFUSED)."""
     try:
         with open_regular(path, limit) as f:
-            h = hashlib.sha256()
-            while chunk := f.read(1 << 20):
+            h, left = hashlib.sha256(), limit
+            while chunk := f.read(min(1 << 20, left + 1)):
+                left -= len(chunk)
+                if left < 0:
+                    refused(path, f"grew past {limit:,} bytes while read, more than a file of its kind may hold")
+                    return None
                 h.update(chunk)
             return h.hexdigest()
     except OSError:
         return None
 
 
-# The most files tree_digest compares (a wheelhouse holds some hundreds).
+def unlinked(path):
+    """True where no part of an absolute path is a symbolic link another user could have made
+    (each part lstat'ed from the root; a link of root's in a directory of root's is the system's
+    layout, /opt -> /var/opt, as the plan's path checks take it): what root reads below the path
+    is what it names."""
+    at, parent_uid = "/", 0
+    for part in str(path).strip("/").split("/"):
+        at = os.path.join(at, part)
+        try:
+            st = os.lstat(at)
+        except OSError:
+            return False
+        if stat_mod.S_ISLNK(st.st_mode) and (st.st_uid != 0 or parent_uid != 0):
+            return False
+        try:
+            parent_uid = os.stat(at).st_uid if stat_mod.S_ISLNK(st.st_mode) else st.st_uid
+        except OSError:  # a link to nothing
+            return False
+    return True
+
+
+# The most entries (files and folders) tree_digest compares (a wheelhouse holds some hundreds).
 WHEELHOUSE_FILES = 100_000
 
 
 def tree_digest(folder):
     """What rsync compares (every regular file's path, size and whole-second mtime), as one
-    sha256; None where the folder is missing or a link. Links inside are neither followed nor
-    counted. The control node computes it for dsc_wheelhouse, the probe for the node's copy:
-    equal, the push has nothing to send."""
+    sha256; None where the folder is missing or a link, or holds more than WHEELHOUSE_FILES
+    entries (walked no further: provision sends it again). Links inside are neither followed nor
+    counted; a file gone while walked is passed over. The control node computes it for
+    dsc_wheelhouse, the probe for the node's copy: equal, the push has nothing to send."""
     if not os.path.isdir(folder) or os.path.islink(folder):
         return None
     h, seen = hashlib.sha256(), 0
-    for top, _dirs, files in sorted(os.walk(folder)):
-        seen += len(files)
-        if seen > WHEELHOUSE_FILES:  # not walked without end: what provision sends it again
-            refused(folder, f"more than {WHEELHOUSE_FILES:,} files, not all compared")
+    for top, dirs, files in os.walk(folder):  # top-down, in place: the walk goes no further than read
+        dirs.sort()
+        seen += len(dirs) + len(files)
+        if seen > WHEELHOUSE_FILES:
+            refused(folder, f"more than {WHEELHOUSE_FILES:,} entries, not all compared")
             return None
         for name in sorted(files):
-            st = os.lstat(os.path.join(top, name))
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
             if stat_mod.S_ISREG(st.st_mode):
                 rel = os.path.relpath(os.path.join(top, name), folder)
                 h.update(f"{rel}\0{st.st_size}\0{int(st.st_mtime)}\n".encode())
@@ -80,7 +110,7 @@ def recorded_ops(ext_dir, record=None):
         return []
     return sorted(name for name, lib in libs.items()
                   if isinstance(name, str) and "/" not in name and name not in (".", "..")
-                  and isinstance(lib, dict) and lib.get("sha256")
+                  and isinstance(lib, dict) and lib.get("sha256") and unlinked(os.path.join(ext_dir, name))
                   and sha256(os.path.join(ext_dir, name, f"{name}.so"), OP_LIMIT) == lib["sha256"])
 
 
@@ -293,7 +323,7 @@ def probe(run_root="", existing="", install_root="", data_dir="", train_user="",
     out = {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "memory_mib": memory_mib(), "cpu": cpu_identity(), "gpus": gpus(),
            "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
            "systemd": os.path.isdir("/run/systemd/system"),  # systemd is the init (sd_booted's test)
-           "runs": runs(run_root) if run_root else [],
+           "runs": runs(run_root) if run_root and unlinked(run_root) else [],  # a linked one: refused by the plan
            "run_root_links": links(run_root) if run_root else [],
            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(), "ssh_host_keys": ssh_host_keys(),
            **({"existing_python": path_owners(existing)} if existing else {}),

@@ -34,7 +34,7 @@ class RunDir:
     LOCK = ".launch.lock"         # in the run root: one launch at a time
     MEMORY = "memory.json"        # the plan's predicted peak per GPU (and preset=auto's key)
     MEASURED = "memory.jsonl"     # each rank's max_memory_allocated after its first steps (entry)
-    AUTO = "auto.json"            # preset=auto's step-down ladder and the step that runs
+    AUTO = "auto.json"            # preset=auto's step-down ladder (the steps taken: STEP_DOWNS)
     STEP_DOWNS = "step_downs.jsonl"  # each out-of-memory step down (the master's supervisor alone writes it): what the run trains with
     RUN_ID = "run_id"             # the run's id; its mtime is when the run was written (status's started)
     DS_CONFIG = "ds_config.json"  # the DeepSpeed config the plan composed (preset=auto's first step)

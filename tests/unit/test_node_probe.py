@@ -197,6 +197,25 @@ def test_tree_digest_is_what_rsync_compares_and_never_follows_a_link(tmp_path):
     assert probe.tree_digest(str(tmp_path / "link")) is None and probe.tree_digest(str(tmp_path / "none")) is None
 
 
+def test_what_root_reads_is_bounded_in_entries_and_bytes_and_never_below_a_users_link(tmp_path, monkeypatch):
+    """A wheelhouse of empty folders counts against the limit as files do; a file that reads
+    longer than its size said (as /proc's do, or one grown while read) is cut at its limit and
+    refused; a path with a link another user made in it is not read below, while a link of
+    root's in a directory of root's (the system's /opt -> /var/opt) is the path's own."""
+    many = tmp_path / "many"
+    for i in range(6):
+        (many / f"d{i}").mkdir(parents=True)
+    monkeypatch.setattr(probe, "WHEELHOUSE_FILES", 5)
+    assert probe.tree_digest(str(many)) is None and "more than 5 entries" in str(probe.REFUSED)
+    assert probe.sha256("/proc/self/status", 16) is None and "grew past 16 bytes" in str(probe.REFUSED)
+    assert probe.sha256("/proc/self/status", 1 << 20) is not None
+    (tmp_path / "real" / "runs").mkdir(parents=True)
+    (tmp_path / "roots").symlink_to(tmp_path / "real")
+    assert probe.unlinked(tmp_path / "roots" / "runs") and probe.unlinked(tmp_path / "real" / "runs")
+    os.lchown(tmp_path / "roots", 1000, 1000)  # made by another user
+    assert not probe.unlinked(tmp_path / "roots" / "runs") and not probe.unlinked(tmp_path / "missing")
+
+
 def test_the_probe_names_the_ops_built_its_cpu_and_its_ssh_host_keys(tmp_path):
     """What the plan picks each kind's op source by (the ops root recorded the toolkit's warm-up
     built, the CPU) and what the master's known_hosts pins (the host keys), from real files: an op
@@ -211,12 +230,16 @@ def test_the_probe_names_the_ops_built_its_cpu_and_its_ssh_host_keys(tmp_path):
     (tmp_path / "elsewhere" / "linked.so").write_bytes(b"\x7fELF")
     (ext / "linked").mkdir()
     (ext / "linked" / "linked.so").symlink_to(tmp_path / "elsewhere" / "linked.so")
+    (tmp_path / "elsewhere" / "dir_linked").mkdir()  # the op's folder a link of the training user's
+    (tmp_path / "elsewhere" / "dir_linked" / "dir_linked.so").write_bytes(b"\x7fELF")
+    (ext / "dir_linked").symlink_to(tmp_path / "elsewhere" / "dir_linked")
+    os.lchown(ext / "dir_linked", 1000, 1000)
     (ext / "changed" / "changed.so").write_bytes(b"\x7fELF, swapped")
     (ext / "fifo" / "fifo.so").unlink()
     os.mkfifo(ext / "fifo" / "fifo.so")
     record = tmp_path / "warm.json"
     record.write_text(json.dumps({"libs": {op: {"sha256": elf} for op in
-                                           ("fused_adam", "cpu_adam", "changed", "linked", "fifo", "../x")}}))
+                                           ("fused_adam", "cpu_adam", "changed", "linked", "dir_linked", "fifo", "../x")}}))
     assert probe.recorded_ops(str(ext), str(record)) == ["cpu_adam", "fused_adam"]
     assert probe.recorded_ops(str(tmp_path / "missing"), str(record)) == []
     assert probe.recorded_ops(str(ext), str(tmp_path / "no-record.json")) == []

@@ -24,6 +24,8 @@ from tests.unit.plan_helpers import DEFAULTS, PATHS, cluster, plan
     ({"dsc_run_root": "/tmp"}, None, "dsc_run_root on host node1 is '/tmp', the system directory /tmp itself"),
     ({"dsc_run_root": "/var/run/ds"}, None, "in the system tree /var/run"),
     ({"dsc_run_root": "/root/runs"}, None, "in the system tree /root"),
+    ({"dsc_install_root": "/var/lib/dscluster"}, None, "in /var/lib/dscluster, where root keeps what only root may write"),
+    ({"dsc_data_dir": "/var/lib/dscluster/packages", "dsc_data_shared": True}, None, "in /var/lib/dscluster, where root"),
     ({"dsc_run_root": "/proc/1/cwd"}, None, "in the system tree /proc"),
     ({"dsc_data_dir": "/etc", "dsc_data_shared": True}, None, "dsc_data_dir on host node1 is '/etc', in the system tree /etc"),
     ({"dsc_data_dir": "/"}, None, "dsc_data_dir on host node1 is '/', the root directory, and launch makes it the training user's and syncs"),
@@ -49,7 +51,7 @@ def test_system_directories_are_refused_as_roots(settings, options, needle):
 
 
 @pytest.mark.parametrize("settings", [
-    {"dsc_install_root": "/opt/dscluster", "dsc_run_root": "/var/lib/dscluster/runs"},
+    {"dsc_install_root": "/opt/dscluster", "dsc_run_root": "/var/lib/dsc-runs"},
     {"dsc_run_root": "/home/alice/runs"}, {"dsc_run_root": "/tmp/dsc-runs"}, {"dsc_install_root": "/srv/ds/"},
     {"dsc_data_dir": "/mnt/datasets/c4", "dsc_data_shared": True}, {"dsc_run_root": "/library/runs"},
     {"dsc_env_manager": "existing", "dsc_existing_python": "/usr/bin/python3"},

@@ -292,6 +292,21 @@ def test_resume_checks_the_runs_launch_record_as_typed_and_reads_no_file_it_name
                                  for e in errors), errors
 
 
+def test_run_files_of_another_shape_fail_no_plan_stop_and_resume_included():
+    """The probe's view of a run comes from files its training user writes: launch.json rewritten
+    as a list, trained_with as a string, secret names as one string, a run without a name. No plan
+    fails on them (stop.yml's must stop the run whatever they hold): each is taken as absent."""
+    runs = [{"id": "r1", "mtime": "yesterday", "started": 1, "active": False, "launch": [1], "trained": "zero3"},
+            {"id": 7, "mtime": 1}]
+    p, errors = plan(options={"run_id": "r1"}, runs=runs)  # as stop.yml and status.yml plan
+    assert errors == [] and [(r["id"], r["mtime"], r["started"], r["launch"]) for r in p["runs"]] == [("r1", 0.0, False, None)]
+    p, errors = plan(options={"resume": True, "run_id": "r1"}, full_run=True, runs=runs)
+    assert errors == [] and p["run"]["id"] == "r1", errors  # resumed with the run's own files, as they are
+    runs = [{"id": "r1", "mtime": 1, "started": True, "active": False, "launch": {"secret_names": "HF_TOKEN"}}]
+    p, errors = plan(options={"resume": True, "run_id": "r1"}, full_run=True, runs=runs, dsc_secrets={"HF_TOKEN": "x"})
+    assert p is None and any("was launched without secrets" in e for e in errors), errors
+
+
 def secrets_run(names, on=("node1", "node2")):
     """A stopped run launched with secrets `names`, its secrets file on the nodes `on`."""
     spec = {"preset": "zero2", "secret_names": list(names)}

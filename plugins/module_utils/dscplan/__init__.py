@@ -34,7 +34,7 @@ from dscnode.probe import EXT_DIR, WHEELHOUSE_DIR, tree_digest
 from .deepspeed_config import batch, ds_config, precision, presets
 from .launchers import chosen
 from .packages import node_lock, split_requirements, already_there, existing_owner, lock_texts, node_helper, op_sources, pip_sources
-from .problems import Problems
+from .problems import Problems, as_bool
 from .record import PLAN_FIELDS_NOT_READ_BY_ROLES, CompanionPlan, Plan, SlurmRecord, runs_seen
 from .rendered import env_paths, code_archive, parse_ds_env, parse_hostfile
 from .run import LAUNCH_ONLY, Unplanned, plot_runs, plan_run, run_reference, secrets_path
@@ -42,7 +42,6 @@ from .vocabulary import CLUSTER_GROUP, CLUSTER_SETTINGS, declared_settings, JSON
 from .settings import check_settings, cluster_settings, secret_names
 from .paths import data_dir, root_path_problems
 from .network import ip_network, ssh_source
-from .problems import as_bool
 from .hygiene import control_characters, literal_extra_vars, templates_in
 from .slurm import slurm_plan, slurm_problems
 from .topology import firewall_backends, node_records, network_env, node_order, training_address
@@ -144,7 +143,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
                   launch, notes):
     """The Plan of valid settings and nodes, without its run (make_plan adds it)."""
     helper_src, helper_sha256 = node_helper(paths["repo"])
-    install_root = str(s["dsc_install_root"]).rstrip("/") or "/"
+    install_root = str(s["dsc_install_root"]).rstrip("/") or "/"  # as run_root_of takes it
     prefix, python = env_paths(s, install_root)
     cache_dir = f"{install_root}/cache"
     accelerator, caps, node_env, rank_env = _node_and_rank_env(s, nodes, prefix, install_root, secrets)
@@ -173,7 +172,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         ssh_ports=sorted({n.ssh_port for n in nodes}),
         accelerator=accelerator, cuda_arch_list=";".join(caps),
         env_manager=manager, install_root=install_root,
-        run_root=str(s["dsc_run_root"] or f"{install_root}/runs").rstrip("/"),
+        run_root=run_root_of(s),
         cache_dir=cache_dir, torch_extensions_dir=node_env["TORCH_EXTENSIONS_DIR"],
         env_prefix=prefix, python=python, py_spy=posixpath.join(posixpath.dirname(python), "py-spy"),
         pip="" if manager == "existing" else f"{prefix}/bin/pip",
@@ -215,6 +214,13 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
     )
 
 
+def run_root_of(settings):
+    """dsc_run_root, else the install root's runs/, without a trailing slash: the one place the
+    default is made (the plan, the probe's argument, a plan that stopped at a problem)."""
+    install_root = str(settings["dsc_install_root"]).rstrip("/")
+    return str(settings["dsc_run_root"] or f"{install_root}/runs").rstrip("/") or "/"
+
+
 def probe_arguments(values, defaults):
     """The node probe's command line (dscnode.probe) from one node's own settings (`values`, as
     Ansible resolved them for it: PROBE_SETTINGS) and the settings' defaults (the argument spec):
@@ -223,7 +229,7 @@ def probe_arguments(values, defaults):
     given = {name: str(defaults.get(name) if values.get(name) in (None, "") else values[name])
              for name in PROBE_SETTINGS}
     root = given["dsc_install_root"]
-    args = ["probe", "--run-root", given["dsc_run_root"] or f"{root}/runs", "--install-root", root,
+    args = ["probe", "--run-root", run_root_of(given), "--install-root", root,
             "--train-user", given["dsc_train_user"]]
     args += chosen(given, "", Problems()).probe_options()
     if given["dsc_data_dir"]:
@@ -267,7 +273,7 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     env_owner = _existing_env_owner(s, nodes, probes, problems)
     if problems.messages:
         if full_run:  # the run options' own problems too, all at once
-            partial = Unplanned(run_root=str(s["dsc_run_root"] or f"{s['dsc_install_root']}/runs"), master=names[0])
+            partial = Unplanned(run_root=run_root_of(s), master=names[0])
             plan_run(partial, s, launch, options or {}, defaults, paths, problems, runs_seen(probes.get(names[0])), now,
                  refuse_active, extra_vars)
         else:

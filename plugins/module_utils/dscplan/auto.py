@@ -11,8 +11,7 @@ from train import memory
 
 from . import memory as shapes
 from .deepspeed_config import run_sections, batch, compose_config, ds_config, precision
-from .problems import Problems, is_int
-from .problems import as_bool
+from .problems import Problems, as_bool, is_int
 
 # preset=auto: the candidates, fastest first at one micro-batch (measured on H200s: zero1 and
 # zero2 within a few per cent, zero3 slower on two GPUs; offload about 3x slower, the last resort),

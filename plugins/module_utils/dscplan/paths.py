@@ -7,6 +7,8 @@ from __future__ import annotations
 import posixpath
 import re
 
+from dscnode import ROOT_STATE
+
 from .problems import as_bool
 
 
@@ -14,9 +16,11 @@ SAFE_PATH = re.compile(r"/[A-Za-z0-9._/+@-]*")
 
 # System and shared directories, never a root of the toolkit's (it gives its roots to the
 # training user, and launch syncs the dataset into dsc_data_dir deleting what the control node
-# lacks): these trees whole (the directory and everything under it) ...
+# lacks): these trees whole (the directory and everything under it), the toolkit's own root
+# state among them (the warm-up's records and the packages root installs from: given to the
+# training user, root would consume what that user writes) ...
 SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/boot", "/dev", "/proc", "/sys", "/run", "/root",
-                "/var/run", "/var/lock")
+                "/var/run", "/var/lock", ROOT_STATE)
 
 # ... /lib, /lib64, /lib32, /libx32 ... (and their trees)
 SYSTEM_LIB = re.compile(r"/lib(x?[0-9]+)?")
@@ -61,6 +65,8 @@ def _system_words(found):
         return "the root directory"
     if found in SHARED_ROOTS:
         return f"the system directory {found} itself"
+    if found == ROOT_STATE:
+        return f"in {found}, where root keeps what only root may write"
     return f"in the system tree {found}"
 
 

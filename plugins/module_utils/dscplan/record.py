@@ -9,7 +9,7 @@ from .launchers import LauncherRecord
 
 @dataclass
 class NodeRecord:
-    """One node as the plan derives it from its inventory values and its probe (topology.nodes),
+    """One node as the plan derives it from its inventory values and its probe (topology.node_records),
     in rank order; the roles read it as `dsc_plan.node[<name>]` and `dsc_plan.nodes[]`."""
     name: str  # its inventory name (the hostfile's, /etc/hosts', ssh's)
     rank: int  # its place in the hostfile: DeepSpeed's node rank
@@ -71,10 +71,23 @@ class RunSeen:
     secrets: bool  # its secrets file is there
 
 
+# RunSeen's field types as values are checked against them; what a field of another shape is taken as.
+_SEEN_SHAPES = {"str": (str, None), "float": ((int, float), 0.0), "bool": (bool, False), "dict | None": (dict, None)}
+
+
 def runs_seen(probe):
-    """A node probe's runs (dscnode.records.runs) as records, newest first."""
-    names = [f.name for f in fields(RunSeen)]
-    return [RunSeen(**{k: r.get(k) for k in names}) for r in (probe or {}).get("runs") or [] if isinstance(r, dict)]
+    """A node probe's runs (dscnode.records.runs) as records, newest first. Their files are the
+    training user's: a value of another shape than its field's (a launch.json rewritten as a list)
+    is taken as absent, so that no plan (stop.yml's included) fails on it; a run without a name is
+    left out."""
+    def shaped(f, value):
+        kind, absent = _SEEN_SHAPES[f.type]
+        return value if isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)) else absent
+    seen = []
+    for r in (probe or {}).get("runs") or []:
+        if isinstance(r, dict) and isinstance(r.get("id"), str):
+            seen.append(RunSeen(**{f.name: shaped(f, r.get(f.name)) for f in fields(RunSeen)}))
+    return seen
 
 
 @dataclass

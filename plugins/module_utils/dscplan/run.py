@@ -14,13 +14,12 @@ from dscnode.safe import SHELL_SAFE, latest_glob
 
 from .auto import auto_preset, ladder_record, memory_record
 from .deepspeed_config import run_sections, batch, compose_config, precision, presets, read_user_config
-from .problems import is_int
+from .problems import as_bool, is_int
 from .record import RunRecord
 from .rendered import rendered_files, code_archive
 from .vocabulary import JSON_ONLY, RUN_OPTIONS
 from .paths import abs_path
 from .hygiene import control_paths, templates_in
-from .problems import as_bool
 
 CONFIG_MODES = ("preset", "file", "hf", "none")
 # How the ds_config reaches the script, per mode: DeepSpeed-style scripts take
@@ -73,9 +72,9 @@ def _run_options(options, defaults, runs_seen, problems):
         # only a launch applies (its files keep the run's own: _refused_on_resume)
         wanted = str(opt["run_id"] or "") or (runs_seen[0].id if runs_seen else "")
         spec = next((r.launch for r in runs_seen if r.id == wanted), None) or {}
-        spec = {k: v for k, v in spec.items() if k in LAUNCH_SPEC} if isinstance(spec, dict) else {}
+        spec = {k: v for k, v in spec.items() if k in LAUNCH_SPEC}
         trained = next((r.trained for r in runs_seen if r.id == wanted), None) or {}
-        if isinstance(trained, dict) and trained.get("step"):  # after a step down: what trains now
+        if trained.get("step"):  # after a step down: what trains now
             spec.update(preset=trained.get("preset"), dsc_micro_batch=trained.get("micro_batch"))
         _recorded_spec_problems(spec, wanted, problems)
         opt.update({k: v for k, v in spec.items() if k not in options or k in LAUNCH_ONLY})
@@ -271,7 +270,8 @@ def _resume_secrets(run_id, plan, runs_seen, problems):
     run = next((r for r in runs_seen if r.id == run_id), None)
     if run is None or isinstance(plan, Unplanned):
         return False
-    recorded = sorted(map(str, (run.launch or {}).get("secret_names") or []))
+    names = (run.launch or {}).get("secret_names") or []
+    recorded = sorted(map(str, names)) if isinstance(names, list) else []
     given = plan.secret_names or []
     if given and not recorded:
         problems.add(f"dsc_secrets: run {run_id!r} was launched without secrets, and a resume keeps "

@@ -8,8 +8,7 @@ from __future__ import annotations
 import re
 
 
-from .problems import is_int
-from .problems import as_bool
+from .problems import as_bool, is_int
 
 # A partition's name: no hostlist brackets, commas, spaces or '=', nothing a shell or slurm.conf's
 # parser would read as more than a name.

@@ -6,9 +6,8 @@ import ipaddress
 import re
 
 from .record import NodeRecord
-from .problems import is_int, shown
+from .problems import as_bool, is_int, shown
 from .vocabulary import CLUSTER_GROUP
-from .problems import as_bool
 from .settings import setting
 
 MASTER_GROUP = "master"

@@ -1,6 +1,6 @@
 """How a run starts, is watched, stops and restarts: one module per launch mode (dsc_launch_mode),
 as DeepSpeed's own runner keeps one MultiNodeRunner per backend, chosen once by the plan
-(`launcher(mode)`). The roles and playbooks run what the chosen one gives (the plan's
+(`chosen`). The roles and playbooks run what the chosen one gives (the plan's
 `launcher` record and the run's commands) and never name the mode: a unit test
 (tests/unit/test_launchers.py) fails on any mention of it outside this package and the settings'
 vocabulary.
@@ -19,19 +19,15 @@ from .slurm import Slurm
 
 LAUNCHERS: dict[str, type[Launcher]] = {cls.mode: cls for cls in (Pdsh, NoSsh, Slurm)}
 
-__all__ = ["LAUNCHERS", "Launcher", "LauncherRecord", "QueueRecord", "chosen", "launcher"]
-
-
-def launcher(mode: str) -> Launcher:
-    """The launcher of dsc_launch_mode `mode`, one of LAUNCHERS."""
-    return LAUNCHERS[mode]()
+__all__ = ["LAUNCHERS", "Launcher", "LauncherRecord", "QueueRecord", "chosen"]
 
 
 def chosen(settings: dict, where: str, problems) -> Launcher:
-    """The launch mode the settings choose (dsc_launch_mode): the one place it is read. An unknown
+    """The launcher of the launch mode the settings choose (dsc_launch_mode): the one place it is
+    read. An unknown
     one is a problem (pdsh's launcher stands in, so that every other problem is found too)."""
     mode = str(settings["dsc_launch_mode"])
     if mode not in LAUNCHERS:
         problems.add(f"dsc_launch_mode {where} is {mode!r}. Fix: one of {', '.join(LAUNCHERS)}.")
         mode = Pdsh.mode
-    return launcher(mode)
+    return LAUNCHERS[mode]()

@@ -7,7 +7,12 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from ..problems import as_bool
+
+if TYPE_CHECKING:  # the plan's records, which hold a LauncherRecord themselves
+    from ..record import NodeRecord, Plan, SlurmRecord
 
 
 @dataclass
@@ -41,24 +46,24 @@ class Launcher(ABC):
         return []
 
     @abstractmethod
-    def record(self, nodes: list[dict], master: str, slurm: dict) -> LauncherRecord:
+    def record(self, nodes: list[NodeRecord], master: str, slurm: SlurmRecord) -> LauncherRecord:
         """What the roles read (the plan's `launcher`)."""
 
     @abstractmethod
-    def commands(self, nodes: list[dict], master: str, launcher: list[str], program: list[str]) -> dict[str, list[str]]:
-        """{node: the DeepSpeed launcher's argv} on every node that starts one: `launcher` the
+    def commands(self, nodes: list[NodeRecord], master: str, runner: list[str], program: list[str]) -> dict[str, list[str]]:
+        """{node: the DeepSpeed launcher's argv} on every node that starts one: `runner` DeepSpeed's
         runner and its options, `program` what each rank runs."""
 
     def restarts(self, max_restarts: int) -> int:
         """The supervisor's own restarts (--max-restarts): max_restarts, where the supervisor restarts."""
         return max_restarts
 
-    def supervised_hosts(self, nodes: list[dict], node: str) -> list[str]:
+    def supervised_hosts(self, nodes: list[NodeRecord], node: str) -> list[str]:
         """The nodes a node's supervisor tears down and restarts: its own alone, unless it reaches
         the others."""
         return [node]
 
-    def start_args(self, nodes: list[dict], commands: dict, opt: dict, run_root: str, py_spy: str,
+    def start_args(self, nodes: list[NodeRecord], commands: dict, opt: dict, run_root: str, py_spy: str,
                    resume_args: list[str]) -> dict[str, list[str]]:
         """{node: the node helper's `start` options}, but the port."""
         return {node: ["--run-root", run_root, "--hosts", ",".join(self.supervised_hosts(nodes, node)),
@@ -74,11 +79,12 @@ class Launcher(ABC):
         """The run options this mode cannot honour."""
         return  # none, unless the mode says
 
-    def cluster_problems(self, nodes: list[dict], where: str, problems) -> None:
+    def cluster_problems(self, nodes: list[NodeRecord], where: str, problems) -> None:
         """What in the cluster this mode cannot launch on, before any node changes."""
         return  # none, unless the mode says
 
-    def run_problems(self, master: str, nodes: list[dict], slurm: dict, run_id: str, probe: dict, problems) -> None:
+    def run_problems(self, master: str, nodes: list[NodeRecord], slurm: SlurmRecord, run_id: str, probe: dict,
+                     problems) -> None:
         """Before a run is started (launch, resume): what the master's probe says would stop it."""
         return  # none, unless the mode says
 
@@ -86,7 +92,7 @@ class Launcher(ABC):
         """Why preset=auto cannot step down after an out-of-memory error in this mode ("": it can)."""
         return ""
 
-    def files(self, plan: dict, run_id: str, run_dir: str, workdir: str, commands: dict, start_args: dict,
+    def files(self, plan: Plan, run_id: str, run_dir: str, workdir: str, commands: dict, start_args: dict,
               env: dict, restarts: tuple[int, int]) -> dict[str, str]:
         """The run directory's files this mode adds (name -> text), written at launch and again at
         every resume (`restarts`: max_restarts and the backoff)."""

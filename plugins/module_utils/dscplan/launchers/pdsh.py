@@ -15,8 +15,8 @@ class Pdsh(Launcher):
         return LauncherRecord(name=self.mode, start_nodes=[master], peers=names, log_nodes=[master],
                               ssh_mesh=True, queue=None)
 
-    def commands(self, nodes, master, launcher, program):
-        return {master: launcher + program}
+    def commands(self, nodes, master, runner, program):
+        return {master: runner + program}
 
     def supervised_hosts(self, nodes, node):
         return [n.name for n in nodes]

@@ -10,13 +10,13 @@ import shlex
 
 from dscnode.rundir import RunDir
 
-from .base import Launcher, LauncherRecord, QueueRecord
-from .no_ssh import per_node
+from .base import LauncherRecord, QueueRecord
+from .no_ssh import PerNode
 
 JOB_PREFIX = "dsc-"
 
 
-class Slurm(Launcher):
+class Slurm(PerNode):
     mode = "slurm"
     queues = True
 
@@ -26,9 +26,6 @@ class Slurm(Launcher):
     def record(self, nodes, master, slurm):
         return LauncherRecord(name=self.mode, start_nodes=[], peers=[], log_nodes=[n.name for n in nodes],
                               ssh_mesh=False, queue=QueueRecord(partition=slurm.partition, job_prefix=JOB_PREFIX))
-
-    def commands(self, nodes, master, launcher, program):
-        return per_node(nodes, launcher, program)
 
     def restarts(self, max_restarts):
         return 0  # the batch job restarts every node's task together, never one supervisor alone
@@ -43,9 +40,6 @@ class Slurm(Launcher):
 
     def run_problems(self, master, nodes, slurm, run_id, probe, problems):
         node_problems(master, slurm.partition, [n.name for n in nodes], run_id, probe.get("slurm"), problems)
-
-    def step_down_why(self, num_nodes):
-        return f"dsc_launch_mode {self.mode} (each node's launcher runs on its own)" if num_nodes > 1 else ""
 
     def files(self, plan, run_id, run_dir, workdir, commands, start_args, env, restarts):
         return batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, restarts)
