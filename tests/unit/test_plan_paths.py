@@ -236,6 +236,12 @@ def test_an_existing_env_with_a_package_of_another_users_inside_is_refused():
     p, errors = existing_plan([report, owned(py)])
     assert p is None and any(f"node1 is '{py}': {torch} is owned by another user (alice)" in e
                              and "Fix: make everything the env imports root's" in e for e in errors), errors
+    # Not walked whole: nobody's to chown to; the fix says what to make of it instead.
+    report = dict(owned(py), inside={"path": "/opt/torch/.venv", "why": "a tree of more than 400,000 entries, not all checked"})
+    p, errors = existing_plan([report, owned(py)])
+    assert p is None and any("/opt/torch/.venv is a tree of more than 400,000 entries, not all checked" in e
+                             and "Fix: make it readable by root and the env no larger" in e and "chown" not in e
+                             for e in errors), errors
 
 
 def test_pip_into_an_env_of_roots_installs_from_roots_own_folder():

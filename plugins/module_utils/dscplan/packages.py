@@ -54,6 +54,12 @@ def existing_owner(node, py, report):
                       f"group or others), or one user's: it then runs only as that user.")
     owner = users[0] if users else "root"
     inside = report.get("inside")
+    if inside and "uid" not in inside:  # not walked whole (unreadable, too large): nobody's to name
+        return None, (f"{where}: {inside['path']} is {inside['why']}, inside what the env imports: "
+                      f"root's pip and every rank import it, and what was not checked may belong to "
+                      f"another user. Fix: make it readable by root and the env no larger than that "
+                      f"(an env of the toolkit's holds some 30,000 entries), or use an env of the "
+                      f"training user's (dsc_env_manager venv); nothing was changed.")
     if inside:
         who = f" ({inside['user']})" if inside.get("user") else ""
         return None, (f"{where}: {inside['path']} is {inside['why']}{who}, inside what the env "
