@@ -140,7 +140,7 @@ def _node_and_rank_env(s, nodes, prefix, install_root, secrets):
 
 
 def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements, data, lock,
-                  launch, notes):
+                  launcher, notes):
     """The Plan of valid settings and nodes, without its run (make_plan adds it)."""
     helper_src, helper_sha256 = node_helper(paths["repo"])
     install_root = str(s["dsc_install_root"]).rstrip("/") or "/"  # as run_root_of takes it
@@ -201,7 +201,7 @@ def _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirement
         master_port_first=int(s["dsc_master_port"]),
         master_port_last=int(s["dsc_master_port_last"]),
         slurm=slurm,
-        launcher=launch.record(nodes, nodes[0].name, slurm),
+        launcher=launcher.record(nodes, nodes[0].name, slurm),
         firewall=as_bool(s["cluster_network_firewall"]),
         ssh_sources=s["cluster_network_ssh_sources"],
         node_env=node_env, rank_env=rank_env,
@@ -267,15 +267,15 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
     nodes = node_records(names, hostvars, defaults, probes, problems, probe_errors or {})
     firewall_backends(nodes, probes, s, firewall, problems)
     slurm_problems(s, nodes, probes, f"on host {names[0]}", problems)
-    launch = chosen(s, f"on host {names[0]}", problems)  # the launch mode, chosen once
-    launch.cluster_problems(nodes, f"on host {names[0]}", problems)
+    launcher = chosen(s, f"on host {names[0]}", problems)  # the launch mode, chosen once
+    launcher.cluster_problems(nodes, f"on host {names[0]}", problems)
     _check_nodes(nodes, s, hostvars, probes, full_run, problems)
     env_owner = _existing_env_owner(s, nodes, probes, problems)
     if problems.messages:
         if full_run:  # the run options' own problems too, all at once
             partial = Unplanned(run_root=run_root_of(s), master=names[0])
-            plan_run(partial, s, launch, options or {}, defaults, paths, problems, runs_seen(probes.get(names[0])), now,
-                 refuse_active, extra_vars)
+            plan_run(partial, s, launcher, options or {}, defaults, paths, problems, runs_seen(probes.get(names[0])),
+                     now, refuse_active, extra_vars)
         else:
             problem = run_reference(str((options or {}).get("run_id") or ""), [], "")[2]
             if problem:
@@ -283,14 +283,14 @@ def make_plan(hostvars, groups, probes, defaults, paths, options=None, now="0000
         return None, problems.messages
 
     plan = _cluster_plan(s, nodes, probes, paths, secrets, env_owner, torch_requirements, requirements,
-                         data, lock, launch, problems.notes)
+                         data, lock, launcher, problems.notes)
     options = options or {}
     if full_run:
-        plan.run = plan_run(plan, s, launch, options, defaults, paths, problems, plan.runs, now,
-                        refuse_active, extra_vars)
+        plan.run = plan_run(plan, s, launcher, options, defaults, paths, problems, plan.runs, now,
+                            refuse_active, extra_vars)
         if plan.run:
-            launch.run_problems(plan.master, plan.nodes, plan.slurm, plan.run.id,
-                                probes.get(plan.master) or {}, problems)
+            launcher.run_problems(plan.master, plan.nodes, plan.slurm, plan.run.id,
+                                  probes.get(plan.master) or {}, problems)
     else:
         run_id, run_dir, problem = run_reference(str(options.get("run_id") or ""), plan.runs, plan.run_root)
         if problem:
