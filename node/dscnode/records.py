@@ -18,6 +18,7 @@ from dscnode.rundir import (
     RunDir,
     entries,
     has_secrets,
+    json_objects,
     last_line,
     read_json,
     read_tail,
@@ -322,15 +323,7 @@ def history(run_dir):
     run = RunDir(run_dir)
 
     def lines(name):
-        rows = []
-        for x in read_text(run / name, HISTORY_LIMIT).splitlines():
-            try:
-                row = json.loads(x)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-        return rows
+        return list(json_objects(read_text(run / name, HISTORY_LIMIT).splitlines()))
     out = {"steps": [], "ranks": []}
     for name in (RunDir.METRICS, RunDir.PROGRESS):
         try:

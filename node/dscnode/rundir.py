@@ -3,6 +3,7 @@ the run's secrets, kept beside it; writes that a reader never sees half done, an
 follow a link planted in a directory the training user writes. The entry shim imports this module
 in every rank: the standard library's lightest modules only."""
 import errno
+import itertools
 import json
 import os
 import stat as stat_mod
@@ -239,26 +240,28 @@ def size_of(path):
         return 0
 
 
-def last_lines(path, count, size=65536, start=0):
-    """The last `count` JSON objects of a jsonl file, oldest first, from its last `size` bytes
-    (and, with `start`, written past that byte offset): whole lines only, the part after the last
-    newline being still written; a line that is not a JSON object is passed over. [] when the
-    file cannot be read."""
-    try:
-        data, _ = read_tail(path, size, start)
-    except OSError:
-        return []
-    found = []
-    for line in reversed(data.decode(errors="replace").split("\n")[:-1]):
+def json_objects(lines):
+    """The JSON objects among jsonl lines, in their order: a line that is not one (half-written,
+    a stray value) is passed over."""
+    for line in lines:
         try:
             value = json.loads(line)
         except ValueError:
             continue
         if isinstance(value, dict):
-            found.append(value)
-            if len(found) == count:
-                break
-    return found[::-1]
+            yield value
+
+
+def last_lines(path, count, size=65536, start=0):
+    """The last `count` JSON objects of a jsonl file, oldest first, from its last `size` bytes
+    (and, with `start`, written past that byte offset): whole lines only, the part after the last
+    newline being still written. [] when the file cannot be read."""
+    try:
+        data, _ = read_tail(path, size, start)
+    except OSError:
+        return []
+    newest = json_objects(reversed(data.decode(errors="replace").split("\n")[:-1]))
+    return list(itertools.islice(newest, count))[::-1]
 
 
 def last_line(path, start=0):
