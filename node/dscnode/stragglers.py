@@ -31,6 +31,8 @@ stays a number where they wait the whole step.
 """
 from __future__ import annotations
 
+import statistics
+
 SLOW_RATIO = 1.5
 WAIT_SHARE = 0.2
 CONSISTENT = 3  # windows in a row: one or two noisy windows (a rank descheduled a while) name nobody
@@ -38,11 +40,9 @@ FLOOR_SHARE = 0.01  # the least compute a ratio is taken against, as a share of 
 
 
 def median(values):
-    values = sorted(values)
-    if not values:
-        return 0.0
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    """The median (statistics.median), 0.0 of none."""
+    values = list(values)
+    return statistics.median(values) if values else 0.0
 
 
 def usable(window):

@@ -5,12 +5,13 @@ ranks' times were gathered, as a PNG (matplotlib, on the control node).
                                               "ranks": [{step, ranks: [{rank, node, compute_s}]}, ...]}, ...}
 
 plot.yml and launch.yml's follow feed it the node helper's `history` of each run (train.run's
-metrics.jsonl or any script's progress.jsonl, and ranks.jsonl). Prints {path, runs, points} as JSON.
+metrics.jsonl or any script's progress.jsonl, and ranks.jsonl). Prints {path, runs, points, panels} as JSON.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 
@@ -48,7 +49,7 @@ def rank_series(windows):
     for steps, values in out.values():
         for step, value in zip(steps, values, strict=True):
             by_step.setdefault(step, []).append(value)
-    median = {step: sorted(v)[len(v) // 2] for step, v in by_step.items()}
+    median = {step: statistics.median_high(v) for step, v in by_step.items()}
     slowest = sorted(out, key=lambda label: max(out[label][1]), reverse=True)[:RANK_LINES - 1]
     return {"median": (list(median), list(median.values())), **{label: out[label] for label in slowest}}
 
