@@ -220,6 +220,13 @@ def test_run_clm_stopped_mid_run_resumes_from_its_checkpoint(data, cluster):
         stop = cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
         assert stop.returncode == 0 and "none left" in stop.output, stop.output[-3000:]
         assert cluster.run_status(run_id)["state"] == "stopped"
+        # The HF Trainer drives DeepSpeed's engine: the entry shim timed both ranks' collectives,
+        # gathered every 10 steps (the slow rank's figures, docs/runs.md).
+        windows = [json.loads(x) for x in
+                   cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/ranks.jsonl").stdout.splitlines()]
+        assert windows and windows[0]["step"] == 10, windows
+        assert all(sorted(r["rank"] for r in w["ranks"]) == [0, 1] and all(r["calls"] > 0 for r in w["ranks"])
+                   for w in windows), windows
         # {latest:...} takes the master's newest checkpoint: where the stop came while one was
         # written, a node may hold it without trainer_state.json, and the resume would fail there
         # (docs/troubleshooting.md). As a user does then: that checkpoint goes, on every node.
