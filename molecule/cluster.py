@@ -455,7 +455,8 @@ class Cluster:
                           "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
                           f"s.bind(('::', {int(port)})); s.listen(8); time.sleep({int(seconds)})"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.5)
+        wait(lambda: f":{int(port)} " in self.exec(node, f"ss -Hltn 'sport = :{int(port)}'", check=False).stdout,
+             10, f"the listener on {node}:{port}", every=0.2)
 
     def stop_listening(self, node, seconds=60):
         self.exec(node, f"pkill -f '[t]ime.sleep.{int(seconds)}.' || true")

@@ -6,7 +6,7 @@ import time
 import pytest
 
 import dscplan
-from cluster import TINY, UNTIL_STOPPED
+from cluster import TINY, UNTIL_STOPPED, wait
 
 
 def tc(**kw):
@@ -91,23 +91,22 @@ def test_a_node_whose_interface_has_another_name_gets_its_own(provisioned, clust
 
 
 def test_status_says_finished(zero3_run, cluster):
+    """Workers have no launcher of their own: their rows come from the exit code the supervisor
+    records on every node."""
+    wait(lambda: all(cluster.exec(n, "test -f /opt/dscluster/runs/t-zero3/exit_code", check=False).returncode == 0
+                     for n in cluster.names), 60, "the exit code on every node")
     r = cluster.playbook("status.yml", "-e", "run_id=t-zero3")
     assert r.returncode == 0, r.output[-3000:]
     assert "run t-zero3: finished" in r.output
     assert "step 12" in r.output
+    for n in cluster.names:
+        assert f"{n}: finished" in r.output, r.output[-3000:]
 
 
 def test_a_used_run_directory_is_not_reused(zero3_run, cluster):
     r = cluster.playbook("launch.yml", "-e", "preset=zero3", "-e", "run_id=t-zero3")
     assert r.returncode != 0
     assert "already holds a run" in r.output and "resume.yml -e run_id=t-zero3" in r.output
-
-
-def test_logs_are_fetched(zero3_run, cluster, tmp_path):
-    r = cluster.playbook("logs.yml", "-e", "run_id=t-zero3", "-e", f"logs_dest={tmp_path}")
-    assert r.returncode == 0, r.output[-3000:]
-    assert (tmp_path / "t-zero3" / cluster.master / "metrics.jsonl").exists()
-    assert (tmp_path / "t-zero3" / cluster.master / "launcher.log").exists()
 
 
 # Every preset through DeepSpeed's config classes: tests/local/test_ds_config.py. Here the dry run

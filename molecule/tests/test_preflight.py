@@ -124,13 +124,15 @@ def test_wrong_interface_name(four_faults, cluster, figures):
 
 def test_env_missing_on_one_node(provisioned, cluster, tmp_path, figures):
     worker = cluster.names[1]
-    cluster.exec(worker, "mv /opt/dscluster/env /opt/dscluster/env.moved")
+    # Its python moved away, not the whole env: renaming the image's env copies all of it up
+    # into the container's own layer (overlayfs), a minute of this machine's disk.
+    cluster.exec(worker, "mv /opt/dscluster/env/bin/python /opt/dscluster/env/bin/python.moved")
     try:
         r = preflight(cluster, tmp_path)
         assert r.returncode != 0
         _caught(r, "env and versions", worker, "/opt/dscluster/env/bin/python does not exist", figures=figures, fault="env missing on one node")
     finally:
-        cluster.exec(worker, "mv /opt/dscluster/env.moved /opt/dscluster/env")
+        cluster.exec(worker, "mv /opt/dscluster/env/bin/python.moved /opt/dscluster/env/bin/python")
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +167,39 @@ def test_launch_runs_the_fast_checks_first_and_can_skip_them(provisioned, cluste
                                "-e", "run_id=pf-skipped")
     assert "Preflight failed" not in skipped.output
     assert "Write the run's files and code on every node" in skipped.output, skipped.output[-3000:]
+
+
+# No test node has a GPU: the worker gets an nvidia-smi that answers as a node with one H100 does,
+# its XML tests/fixtures/gpu/h100-two-gpus.xml cut to GPU 0 with a row remapping pending (the one
+# edit), so that the plan sees a GPU there and the gate reads a fault on it.
+FAKE_NVIDIA_SMI = """#!/bin/sh
+case "$*" in
+  *--query-gpu=*) echo "0, 9.0, 580.95.05, 81559" ;;
+  "-q -x") cat /usr/local/share/dsc-test-gpu.xml ;;
+esac
+"""
+
+
+def test_a_gpu_fault_refuses_the_launch_before_any_rank_starts(provisioned, cluster, tmp_path):
+    worker = cluster.names[1]
+    xml = (testcluster.ROOT / "tests/fixtures/gpu/h100-two-gpus.xml").read_text()
+    second = xml.index('<gpu id="00000000:2A:00.0">')
+    one = xml[:second].replace("<remapped_row_pending>No", "<remapped_row_pending>Yes", 1) + "</nvidia_smi_log>\n"
+    (tmp_path / "gpu.xml").write_text(one.replace("<attached_gpus>2", "<attached_gpus>1"))
+    (tmp_path / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    cluster.copy_to(worker, tmp_path / "gpu.xml", "/usr/local/share/dsc-test-gpu.xml")
+    cluster.copy_to(worker, tmp_path / "nvidia-smi", "/usr/local/bin/nvidia-smi")
+    cluster.exec(worker, "chmod 755 /usr/local/bin/nvidia-smi")
+    try:
+        r = cluster.playbook("launch.yml", "-e", "run_id=pf-gpu", "-e", f"preflight_report_dir={tmp_path}")
+        assert r.returncode != 0 and "Preflight failed" in r.output, r.output[-4000:]
+        assert f"{worker}" in r.output and "GPU 0: a memory row remapping or page retirement waits for a reset" \
+            in r.output and "nvidia-smi -r -i 0" in r.output, r.output[-4000:]
+        assert "Write the run's files and code on every node" not in r.output
+        for n in cluster.names:  # no rank started: the run's directory was never made
+            cluster.exec(n, "test ! -e /opt/dscluster/runs/pf-gpu")
+    finally:
+        cluster.exec(worker, "rm -f /usr/local/bin/nvidia-smi /usr/local/share/dsc-test-gpu.xml")
 
 
 def test_report_is_valid_json_with_one_row_per_check_and_node(port_occupied):

@@ -33,7 +33,8 @@ chmod 755 $f; done""", user="dstrain")
     try:
         for playbook, args in [("provision.yml", []),
                                ("preflight.yml", ["-e", f"preflight_report_dir={tmp_path}", "-e", "preflight_full=false"]),
-                               ("launch.yml", ["-e", "run_id=priv-1", "-e", "follow=true", "-e",
+                               # its fast checks are the preflight above's (preflight=false)
+                               ("launch.yml", ["-e", "run_id=priv-1", "-e", "follow=true", "-e", "preflight=false", "-e",
                                                json.dumps({"dsc_train_config": dict(TINY, steps=2)})]),
                                ("status.yml", ["-e", "run_id=priv-1"]),
                                ("stop.yml", ["-e", "run_id=priv-1"])]:

@@ -1,5 +1,5 @@
 """Preflight on a node: check (the env and its versions, names, disk, the master port, the
-firewall, op-build locks, who owns the helper and the paths root writes), mesh (ssh from the
+firewall, op-build locks, who owns the helper and the paths root writes, the GPUs' health), mesh (ssh from the
 master to every node, each clock's offset) and listen / connect (the master port held and
 reached); their arguments come as JSON in $DSC_PREFLIGHT, and the control node judges the answers
 (plugins/filter/preflight.py). Also the free master port that start takes."""
@@ -11,7 +11,7 @@ import socket
 import subprocess
 import time
 
-from dscnode import INSTALLED_PATH
+from dscnode import INSTALLED_PATH, gpuhealth
 from dscnode.probe import firewalls, interfaces, root_path_report
 from dscnode.procs import active, jit_locks_as, run
 
@@ -146,6 +146,8 @@ def check(a):
         # Every path root creates or writes into (the plan refuses a link or a foreign owner).
         "root_paths": root_path_report(a.get("install_root", ""), a["run_root"], a.get("data_dir", ""),
                                        a.get("train_user", "")) if a.get("install_root") else None,
+        # The GPU gate: launch's and resume's fast checks read it too (no DCGM there: seconds).
+        "gpu_health": gpuhealth.report(a.get("used_gpus"), a.get("train_user", ""), full=not a.get("fast")),
     }
     if a.get("master"):
         out["port"] = {"wanted": a["port_first"], "wanted_free": port_free(a["port_first"]),

@@ -12,12 +12,15 @@ built file). Every command prints one JSON object.
     dsc_node.pyz write-run RUN_DIR [--resume]  # stdin {files: {name: text}, code: base64 tar.gz}: the run's files
     dsc_node.pyz start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
                        [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
-                       [--stall-s S] [--stall-fail] [--py-spy PATH] [--foreground [--attempt N]] -- CMD...
+                       [--stall-s S] [--stall-fail] [--py-spy PATH] [--foreground [--attempt N]]
+                       [--used-gpus JSON] -- CMD...
                                                # under a lock: refuse (or replace) an active run, take the
                                                # first free master port (--port: the one the master took,
                                                # no_ssh mode's other nodes), detach a supervisor that runs CMD,
                                                # tears the run down everywhere when a node fails and
                                                # restarts it from its checkpoint (opt-in)
+    dsc_node.pyz gpu-health [--gpus JSON]      # this node's GPUs judged: the supervisor's gate before
+                                               #   a restart (null without nvidia-smi)
     dsc_node.pyz procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
     dsc_node.pyz stop RUN_ID [--grace S] [--run-dir DIR [--by WHO]] [--ext-dir DIR]
                                                # mark the run stopped (by WHO), TERM, then KILL after
@@ -105,6 +108,7 @@ def start_arguments(p):
     p.add_argument("--py-spy", default="", help="the env's py-spy: every node's stacks are read at a stall")
     p.add_argument("--foreground", action="store_true", help="supervise in this process (Slurm's task on a node)")
     p.add_argument("--attempt", type=int, default=0, help="the Slurm batch job's restart: resume from the checkpoint")
+    p.add_argument("--used-gpus", default="{}", help="JSON {node: GPU indices}: what the GPU gate judges before a restart")
 
 
 def parser():
@@ -131,6 +135,8 @@ def parser():
     p.add_argument("--resume", action="store_true")
     start_arguments(action("start", _start, "under the run root's lock: take a master port, detach a "
                                             "supervisor that runs the command after --"))
+    p = action("gpu-health", _gpu_health, "this node's GPUs judged (the gate before a restart)")
+    p.add_argument("--gpus", default="[]", help="JSON list: the indices the run uses (a fault elsewhere only warns)")
     p = action("procs", _procs, "the processes that carry DSC_RUN_ID=RUN_ID")
     p.add_argument("run_id")
     p = action("stop", _stop, "mark the run stopped, TERM its processes, KILL them after the grace")
@@ -201,6 +207,11 @@ def _preflight(a):
     print(json.dumps(run[a.action](json.loads(os.environ.get("DSC_PREFLIGHT", "{}")))))
 
 
+def _gpu_health(a):
+    from dscnode.gpuhealth import report
+    print(json.dumps(report(json.loads(a.gpus))))
+
+
 def _write_run(a):
     from dscnode.launch import write_run
     result = write_run(a.run_dir, json.load(sys.stdin), resume=a.resume)
@@ -217,7 +228,7 @@ def _start(a):
                  replace=a.replace, hosts=hosts(a.hosts), max_restarts=a.max_restarts,
                  backoff=a.backoff, resume_args=json.loads(a.resume_args),
                  stall={"timeout_s": a.stall_s, "fail": a.stall_fail, "py_spy": a.py_spy}, port=a.port,
-                 foreground=a.foreground, attempt=a.attempt)
+                 foreground=a.foreground, attempt=a.attempt, used_gpus=json.loads(a.used_gpus))
 
 
 def _procs(a):

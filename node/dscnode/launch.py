@@ -14,7 +14,7 @@ from dscnode.checks import free_port
 from dscnode.procs import active, pid_alive, teardown
 from dscnode.records import config_label
 from dscnode.rundir import RunDir, prune_secrets, write_atomic
-from dscnode.supervisor import best_effort, supervise, with_resume
+from dscnode.supervisor import best_effort, gpu_gate, supervise, with_resume
 
 
 def write_run(run_dir, spec, resume=False):
@@ -48,14 +48,16 @@ def write_run(run_dir, spec, resume=False):
 
 
 def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_restarts=0,
-          backoff=10.0, resume_args=("--resume",), stall=None, port=None, foreground=False, attempt=0):
+          backoff=10.0, resume_args=("--resume",), stall=None, port=None, foreground=False, attempt=0,
+          used_gpus=None):
     """Under the run root's lock: refuse (or replace) an active run, take the first free master
     port (or `port`, the one the master took: only the master's rank 0 listens on it), then
     double-fork a supervisor into a new session so that it outlives the Ansible
     connection; its pid is the run's launcher.pid until the run ends, restarts included.
     `foreground` (Slurm's task on a node): the supervisor is this process, and the task ends
     with the run; `attempt` above 0 is the batch job's restart of every node, from the latest
-    complete checkpoint (resume_args)."""
+    complete checkpoint (resume_args), which the GPU gate (`used_gpus`: {node: GPU indices}) may
+    refuse as it refuses the supervisor's own restarts."""
     run = RunDir(run_dir)
     lock = open(Path(run_root) / RunDir.LOCK, "a")
     fcntl.flock(lock, fcntl.LOCK_EX)  # held until the new supervisor's pid is recorded
@@ -81,12 +83,16 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     (run / RunDir.EXIT).unlink(missing_ok=True)
     (run / RunDir.FAILURE).unlink(missing_ok=True)
     if attempt:
+        refused = gpu_gate(list(hosts)[:1], used_gpus or {})
+        if refused:
+            print(json.dumps({"started": False, "error": "the GPU gate refused the restart: " + "; ".join(refused)}))
+            return 6
         write_atomic(run / RunDir.RESTARTS, f"{attempt}\n")
         cmd = with_resume(cmd, resume_args)
     (run / RunDir.RESTARTING).unlink(missing_ok=True)
     if foreground:
         lock.close()
-        supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall)
+        supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall, used_gpus)
     if os.fork():
         pid = None
         for _ in range(100):  # until the supervisor recorded its pid (or already ended)
@@ -101,4 +107,4 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     os.setsid()
     if os.fork():
         os._exit(0)
-    supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall)
+    supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall, used_gpus)

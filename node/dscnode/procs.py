@@ -8,6 +8,7 @@ import re
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,40 @@ def run(cmd, timeout=60, env=None, user=None):
         return 127, "", str(e)
     except subprocess.TimeoutExpired:
         return 124, "", f"timed out after {timeout} s"
+
+
+def run_bounded(cmd, limit, timeout=30):
+    """cmd's (exit code, stdout as text) where root runs a system tool whose output it parses
+    (nvidia-smi, the kernel log): at most `limit` bytes of stdout are kept and the rest is never
+    read into memory (the process is killed once it passes the limit: exit code None), and the
+    tool is killed after `timeout` seconds (124). stderr is discarded; 127 where there is no such tool."""
+    try:  # a session of its own: its children (a shell's) die with it and close the pipe
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    except OSError:
+        return 127, ""
+
+    def kill():
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    try:
+        out = p.stdout.read(limit + 1)
+        if len(out) > limit:
+            kill()
+            rc = None
+        else:
+            rc = p.wait()
+        if timer.finished.is_set() and rc is not None and rc < 0:
+            rc = 124
+        return rc, out[:limit].decode(errors="replace")
+    finally:
+        timer.cancel()
+        p.stdout.close()
+        p.wait()
 
 
 def start_time(pid):

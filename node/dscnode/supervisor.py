@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from dscnode import stragglers
+from dscnode import gpuhealth, stragglers
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
 from dscnode.records import step_downs
@@ -59,6 +59,8 @@ def describe(cause):
         return f"the run stalled: no step for {cause['limit_s']:.0f} s after step {cause['step']}"
     if cause["kind"] == "lost":
         return f"the connection to {cause['node']} was lost (node down or sshd gone)"
+    if cause["kind"] == "gpu_health":
+        return f"the GPU gate refused the restart: {'; '.join(cause['findings'])}"
     return f"ranks on {cause['node']} exited with code {cause['code']}"
 
 
@@ -237,6 +239,29 @@ def resolve_latest(argv, cwd="."):
     return out
 
 
+def gpu_gate(hosts, used_gpus):
+    """The GPU gate before a restart (dscnode.gpuhealth's quick subset, as launch's): the failing
+    findings of every node the supervisor restarts, "node: what" each; [] where all pass or no node
+    uses a GPU. As the training user here: the kernel log's Xids are read where it may read them."""
+    if not any(used_gpus.get(h) for h in hosts):
+        return []
+    fails = []
+    for i, host in enumerate(hosts):
+        ids = used_gpus.get(host) or []
+        if not ids:
+            continue
+        if i == 0:
+            health = gpuhealth.report(ids)
+        else:
+            said = on_others([hosts[0], host], "gpu-health", "--gpus", json.dumps(ids)).get(host, "")
+            try:
+                health = json.loads(said)
+            except ValueError:
+                health = None  # unreachable: the restart itself says so
+        fails += [f"{host} {f['what']}" for f in (health or {}).get("findings", []) if f["status"] == "FAIL"]
+    return fails
+
+
 def with_resume(cmd, resume_args):
     """The command of a restart: it resumes from the latest complete checkpoint (resume_args
     appended, unless it ends with them already: a resumed run's own command)."""
@@ -244,7 +269,7 @@ def with_resume(cmd, resume_args):
     return list(cmd) + ([] if resumes else list(resume_args))
 
 
-def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None):
+def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None, used_gpus=None):
     log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -296,6 +321,13 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         teardown(run_id, list(hosts))  # nothing of the failed attempt may linger anywhere
         time.sleep(wait)
         if (run / RunDir.STOPPED).exists():
+            break
+        refused = gpu_gate(list(hosts), used_gpus or {})
+        if refused:  # no rank starts on a node whose GPU failed the gate
+            cause = {"kind": "gpu_health", "node": refused[0].split(" ")[0], "findings": refused}
+            print(f"[dsc_node] {describe(cause)}", flush=True)
+            best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
+                cause, message=describe(cause), exit_code=code, teardown=True, restarts=restarts)) + "\n")
             break
         attempt = with_resume(base, resume_args)
     record_exit(run, code)

@@ -144,6 +144,22 @@ def driver_verdict(cuda, driver):
     return ("PASS", f"driver {driver} runs CUDA {cuda} (needs {need or '?'})", "")
 
 
+def gpu_health_rows(node, health):
+    """The GPU gate's row for a node (dscnode.gpuhealth's findings): its worst finding's status,
+    every finding and its fix in it, else a PASS; none where the node has no nvidia-smi."""
+    if not health:
+        return []
+    if not health["findings"]:
+        gpus = health["gpus"]
+        return [_row("gpu health", node, "PASS", f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''} "
+                     f"({', '.join(sorted({g['name'] for g in gpus}))}): no ECC, row remapping, PCIe link, "
+                     f"clock, NVLink or Xid fault ({health['seconds']:.1f} s)")]
+    found = health["findings"]
+    status = "FAIL" if any(f["status"] == "FAIL" for f in found) else "WARN"
+    return [_row("gpu health", node, status, "; ".join(f["what"] for f in found),
+                 "; ".join(dict.fromkeys(f["fix"] for f in found)))]
+
+
 def _ssh_rows(names, master, hv, mesh, launcher, train_user):
     """ssh from the master to each node as the training user (more than one node; a single "not
     used" row where the launch mode uses no ssh between nodes)."""
@@ -358,6 +374,8 @@ def preflight_rows(hostvars, cluster, settings):
         if n in ok:
             cuda = (probe[n].get("versions") or {}).get("cuda")
             rows.append(_row("driver", n, *driver_verdict(cuda, node["driver"])))
+    for n in ok:
+        rows += gpu_health_rows(n, probe[n].get("gpu_health"))
     for n in ok:
         disk = probe[n].get("disk") or {}
         free, need = disk.get("free_gib", 0), settings["min_free_gib"]

@@ -18,6 +18,7 @@ class NodeRecord:
     ssh_port: int  # where its sshd listens for the master (dsc_ssh_port)
     gpus: int  # GPUs nvidia-smi reports there
     gpu_ids: list[int]  # dsc_gpus: the GPUs it uses ([]: all, or the first `slots`)
+    used_gpus: list[int]  # the GPUs its ranks take (gpu_ids, else the first `slots`; [] without a GPU): the health gate judges these
     hostfile_slots: int  # the hostfile's slots= (its GPU count where dsc_gpus chooses)
     compute_caps: list[str]  # its GPUs' compute capabilities
     driver: str  # its NVIDIA driver ("" without a GPU)

@@ -314,7 +314,7 @@ def _commands(plan, launcher, run_dir, entry, config_arg, resume):
         runner += ["--no_ssh_check"]
     if any(n.gpu_ids for n in plan.nodes):  # DeepSpeed's NAME:SLOT[,SLOT]@NAME...
         runner += ["--include", "@".join(
-            f"{n.name}:{','.join(map(str, n.gpu_ids or range(n.slots)))}" for n in plan.nodes)]
+            f"{n.name}:{','.join(map(str, n.used_gpus))}" for n in plan.nodes)]
     runner += entry["launcher_args"]
     train_run = entry["module"] == "train.run" and not entry["script"]
     program = [plan.helper, "entry"] \

@@ -103,7 +103,7 @@ def node_records(names, hostvars, defaults, probes, problems, probe_errors):
             port = 22
         nodes.append(NodeRecord(
             name=name, rank=rank, addr=addr, slots=int(slots), ssh_port=int(port),
-            gpus=len(gpus), gpu_ids=gpu_ids,
+            gpus=len(gpus), gpu_ids=gpu_ids, used_gpus=gpu_ids or list(range(int(slots) if gpus else 0)),
             # DeepSpeed's hostfile counts a node's GPUs from 0; a selection is passed as --include.
             hostfile_slots=len(gpus) if gpu_ids else int(slots),
             compute_caps=sorted({str(g.get("compute_cap", "")) for g in gpus} - {""}),

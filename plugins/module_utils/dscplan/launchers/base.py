@@ -70,7 +70,8 @@ class Launcher(ABC):
                        "--max-restarts", str(self.restarts(int(opt["max_restarts"]))),
                        "--backoff", str(int(opt["restart_backoff_s"])),
                        "--resume-args", json.dumps(resume_args),
-                       "--stall-s", str(int(opt["dsc_stall_timeout_s"])), "--py-spy", py_spy]
+                       "--stall-s", str(int(opt["dsc_stall_timeout_s"])), "--py-spy", py_spy,
+                       "--used-gpus", json.dumps({n.name: n.used_gpus for n in nodes})]
                 + (["--stall-fail"] if as_bool(opt["dsc_stall_fail"]) else [])
                 + (["--replace"] if as_bool(opt["replace"]) else [])
                 for node in commands}

@@ -1,0 +1,207 @@
+"""The GPU gate's judgement (dscnode.gpuhealth) on nvidia-smi's XML, each fault one edit of the
+healthy two-GPU file, on kernel-log Xid lines as the driver writes them, and preflight's rows."""
+from pathlib import Path
+
+import pytest
+
+from dscnode import gpuhealth
+from plugins.filter import preflight
+
+XML = (Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "h100-two-gpus.xml").read_text()
+GPU0 = XML.index('<gpu id="00000000:18:00.0">')
+GPU1 = XML.index('<gpu id="00000000:2A:00.0">')
+
+
+def on_gpu0(old, new):
+    """The file with `old` replaced by `new` in GPU 0's section only."""
+    head, section, tail = XML[:GPU0], XML[GPU0:GPU1], XML[GPU1:]
+    assert old in section, old
+    return head + section.replace(old, new, 1) + tail
+
+
+def judged(xml=XML, used=(0, 1), events=(), links=None, owner=lambda pid: "dstrain"):
+    return gpuhealth.judge(gpuhealth.parse_xml(xml), list(used), events, links, owner=owner, train_user="dstrain")
+
+
+def test_healthy_gpus_have_no_finding():
+    gpus = gpuhealth.parse_xml(XML)
+    assert [(g["index"], g["bus_id"], g["name"]) for g in gpus] == [
+        (0, "00000000:18:00.0", "NVIDIA H100 80GB HBM3"), (1, "00000000:2A:00.0", "NVIDIA H100 80GB HBM3")]
+    # GPU 1 idles at PCIe gen 1 of 5, as idle GPUs do on purpose: no finding
+    assert gpus[1]["pcie"] == {"width": 16, "max_width": 16, "gen": 1, "max_gen": 5}
+    assert judged() == []
+
+
+@pytest.mark.parametrize("old,new,status,needle", [
+    ("<dram_uncorrectable>0</dram_uncorrectable>\n\t\t\t</volatile>",
+     "<dram_uncorrectable>2</dram_uncorrectable>\n\t\t\t</volatile>", "FAIL",
+     "GPU 0: 2 uncorrectable ECC errors since the driver loaded"),
+    ("<dram_uncorrectable>0</dram_uncorrectable>\n\t\t\t\t<sram_threshold_exceeded>",
+     "<dram_uncorrectable>1</dram_uncorrectable>\n\t\t\t\t<sram_threshold_exceeded>", "WARN",
+     "GPU 0: 1 uncorrectable ECC errors in its lifetime"),
+    ("<remapped_row_pending>No", "<remapped_row_pending>Yes", "FAIL", "waits for a reset"),
+    ("<remapped_row_failure>No", "<remapped_row_failure>Yes", "FAIL", "a row remapping failed"),
+    ("<current_link_width>16x", "<current_link_width>8x", "FAIL", "GPU 0: PCIe link x8 of its x16"),
+    ("<clocks_event_reason_hw_slowdown>Not Active", "<clocks_event_reason_hw_slowdown>Active", "FAIL",
+     "clocks held down by hardware slowdown"),
+    ("<clocks_event_reason_hw_thermal_slowdown>Not Active", "<clocks_event_reason_hw_thermal_slowdown>Active",
+     "FAIL", "hardware thermal slowdown"),
+    ("<clocks_event_reason_hw_power_brake_slowdown>Not Active",
+     "<clocks_event_reason_hw_power_brake_slowdown>Active", "FAIL", "hardware power brake"),
+    ("<clocks_event_reason_sw_thermal_slowdown>Not Active", "<clocks_event_reason_sw_thermal_slowdown>Active",
+     "WARN", "software thermal slowdown"),
+    # under load, a generation below the link's maximum is a fault
+    ("<current_link_gen>5</current_link_gen>\n\t\t\t\t\t<device_current_link_gen>5",
+     "<current_link_gen>3</current_link_gen>\n\t\t\t\t\t<device_current_link_gen>3", None, None),
+])
+def test_each_fault_is_named_with_its_gpu_and_a_fix(old, new, status, needle):
+    found = judged(on_gpu0(old, new))
+    if status is None:  # gen 3 of 5 while idle: normal
+        assert found == []
+        busy = on_gpu0(old, new).replace("<gpu_util>0 %</gpu_util>", "<gpu_util>97 %</gpu_util>", 1)
+        found = judged(busy)
+        status, needle = "WARN", "GPU 0: PCIe gen 3 of 5 at 97 % load"
+    assert [(f["gpu"], f["status"]) for f in found] == [(0, status)], found
+    assert needle in found[0]["what"] and found[0]["fix"]
+
+
+def test_a_fault_on_a_gpu_the_run_does_not_use_only_warns():
+    found = judged(on_gpu0("<remapped_row_pending>No", "<remapped_row_pending>Yes"), used=[1])
+    assert [(f["gpu"], f["status"]) for f in found] == [(0, "WARN")]
+    assert found[0]["what"].endswith("(not used by this run)")
+
+
+def test_the_older_throttle_reasons_element_is_read_too():
+    older = on_gpu0("<clocks_event_reason_hw_slowdown>Not Active</clocks_event_reason_hw_slowdown>",
+                    "<clocks_throttle_reason_hw_slowdown>Active</clocks_throttle_reason_hw_slowdown>")
+    older = older.replace("clocks_event_reasons>", "clocks_throttle_reasons>", 2)
+    assert [f["status"] for f in judged(older)] == ["FAIL"]
+
+
+def test_a_gpu_the_run_uses_that_nvidia_smi_no_longer_lists_fails():
+    one = XML[:GPU1] + XML[XML.index("</gpu>", GPU1) + len("</gpu>"):]
+    found = judged(one)
+    assert [(f["gpu"], f["status"]) for f in found] == [(1, "FAIL")]
+    assert "GPU 1 is not listed by nvidia-smi (it lists [0])" in found[0]["what"]
+
+
+def test_another_users_process_holding_gpu_memory_warns():
+    proc = ("<processes>\n\t\t\t<process_info>\n\t\t\t\t<gpu_instance_id>N/A</gpu_instance_id>\n"
+            "\t\t\t\t<pid>4242</pid>\n\t\t\t\t<type>C</type>\n\t\t\t\t<process_name>python3</process_name>\n"
+            "\t\t\t\t<used_memory>70310 MiB</used_memory>\n\t\t\t</process_info>\n\t\t</processes>")
+    xml = on_gpu0("<processes>\n\t\t</processes>", proc)
+    assert judged(xml) == []  # the training user's own
+    found = judged(xml, owner=lambda pid: "alice")
+    assert [(f["gpu"], f["status"]) for f in found] == [(0, "WARN")]
+    assert "pid 4242 (python3, user alice) holds 70310 MiB" in found[0]["what"]
+
+
+# Xid lines as the NVIDIA driver writes them to the kernel log (dmesg; journalctl -k puts the
+# host and "kernel:" before the same text).
+KERNEL_LOG = """\
+[    4.120311] nvidia: loading out-of-tree module taints kernel.
+[    5.402001] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.95.05  Tue Sep 23 09:55:41 UTC 2025
+[ 1032.123456] NVRM: Xid (PCI:0000:2a:00): 79, pid=1234, GPU has fallen off the bus.
+[ 1102.000001] NVRM: Xid (PCI:0000:18:00): 13, pid=13425, name=python, Graphics Exception: ESR 0x50d730=0x3f20
+Oct 02 10:41:07 srv-r07-u12 kernel: NVRM: Xid (PCI:0000:18:00.0): 94, pid='<unknown>', name=<unknown>, Contained: SM (0x1). RST: No, D-RST: No
+"""
+
+
+def test_xids_since_the_driver_loaded_fatal_fail_application_ones_warn():
+    events = gpuhealth.xids(KERNEL_LOG)
+    assert [(e["bus"], e["code"]) for e in events] == [((0, 0x2a, 0), 79), ((0, 0x18, 0), 13), ((0, 0x18, 0), 94)]
+    found = judged(events=events)
+    assert [(f["gpu"], f["status"]) for f in found] == [(1, "FAIL"), (0, "WARN"), (0, "FAIL")]
+    assert "GPU 1: Xid 79, the GPU fell off the bus" in found[0]["what"]
+    assert "Xid 13, a graphics engine exception" in found[1]["what"]
+    # a reload of the driver (or a reboot) is where a fatal Xid is cleared
+    reloaded = KERNEL_LOG + "[ 2000.5] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.95.05\n"
+    assert gpuhealth.xids(reloaded) == []
+
+
+def test_an_xid_of_a_gpu_nvidia_smi_no_longer_lists_fails():
+    found = judged(events=gpuhealth.xids("NVRM: Xid (PCI:0000:c1:00): 79, GPU has fallen off the bus.\n"))
+    assert [(f["gpu"], f["status"]) for f in found] == [(None, "FAIL")]
+    assert found[0]["what"].startswith("a GPU at PCI 00:c1:00: Xid 79")
+
+
+NVLINK = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5a3f2b4c-0d1e-4f6a-8b7c-9d0e1f2a3b4c)
+\t Link 0: 26.562 GB/s
+\t Link 1: <inactive>
+\t Link 2: 26.562 GB/s
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-6b4a3c5d-1e2f-4a7b-9c8d-0e1f2a3b4c5d)
+\t Link 0: 26.562 GB/s
+"""
+
+
+def test_an_nvlink_link_down_beside_others_up_fails():
+    links = gpuhealth.nvlinks(NVLINK)
+    assert links == {0: (2, [1]), 1: (1, [])}
+    found = judged(links=links)
+    assert [(f["gpu"], f["status"]) for f in found] == [(0, "FAIL")]
+    assert "NVLink links 1 down, 2 up" in found[0]["what"]
+    # a PCIe card without NVLink: every link inactive is no fault
+    assert judged(links={0: (0, [0, 1]), 1: (0, [])}) == []
+
+
+def test_preflight_rows_a_pass_or_each_finding():
+    healthy = {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "bus_id": "x"}], "findings": [], "seconds": 0.4}
+    [row] = preflight.gpu_health_rows("node2", healthy)
+    assert (row["check"], row["node"], row["status"]) == ("gpu health", "node2", "PASS")
+    assert "1 GPU (NVIDIA H100 80GB HBM3): no ECC" in row["detail"]
+    faulty = dict(healthy, findings=judged(on_gpu0("<remapped_row_pending>No", "<remapped_row_pending>Yes"),
+                                           links={1: (1, [2])}) + judged(events=gpuhealth.xids(KERNEL_LOG.splitlines()[2])))
+    [row] = preflight.gpu_health_rows("node2", faulty)  # one row a node: its worst status, every finding
+    assert row["status"] == "FAIL" and row["detail"].count("; ") == 2, row
+    assert "GPU 0: a memory row remapping" in row["detail"] and "GPU 1: NVLink links 2 down" in row["detail"]
+    assert "nvidia-smi -r -i 0" in row["fix"]
+    assert preflight.gpu_health_rows("node2", None) == []  # no nvidia-smi there: nothing to judge
+
+
+def _nvidia_smi(tmp_path, monkeypatch, body):
+    """An nvidia-smi program on PATH (this machine has no GPU): what the report runs and bounds."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + body)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_no_nvidia_smi_no_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpuhealth.report([0]) is None
+
+
+def test_the_report_reads_nvidia_smi_and_judges_the_gpus_the_run_uses(tmp_path, monkeypatch):
+    (tmp_path / "gpus.xml").write_text(on_gpu0("<remapped_row_pending>No", "<remapped_row_pending>Yes"))
+    _nvidia_smi(tmp_path, monkeypatch, f'[ "$1" = "-q" ] && exec cat {tmp_path}/gpus.xml\nexit 0\n')
+    r = gpuhealth.report([1])
+    assert [g["index"] for g in r["gpus"]] == [0, 1] and r["seconds"] < 10
+    assert [f["status"] for f in r["findings"] if f["gpu"] == 0] == ["WARN"]  # not a GPU this run uses
+    assert [f["status"] for f in gpuhealth.report([0])["findings"] if f["gpu"] == 0] == ["FAIL"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("sleep 30\n", "did not end within"),  # a GPU off the bus can hang it
+    ("yes '<x>'\n", "wrote more than"),  # never read whole into root's memory
+    ("echo 'Unable to determine the device handle for GPU0000:18:00.0: Unknown Error'; exit 15\n", "exit 15: Unable"),
+    ("echo '<nvidia_smi_log><gpu'\n", "no readable XML"),
+])
+def test_an_nvidia_smi_that_hangs_floods_or_fails_is_a_fail_not_a_hang(tmp_path, monkeypatch, body, needle):
+    _nvidia_smi(tmp_path, monkeypatch, body)
+    monkeypatch.setattr(gpuhealth, "NVIDIA_SMI_S", 1)
+    monkeypatch.setattr(gpuhealth, "XML_LIMIT", 1 << 16)
+    r = gpuhealth.report([0])
+    assert [f["status"] for f in r["findings"]] == ["FAIL"] and needle in r["findings"][0]["what"], r
+
+
+def test_the_supervisors_gate_names_each_failing_gpu_of_its_own_node(tmp_path, monkeypatch):
+    from dscnode.supervisor import describe, gpu_gate
+    assert gpu_gate(["node1"], {"node1": []}) == []  # CPU ranks: nothing asked
+    (tmp_path / "gpus.xml").write_text(on_gpu0("<current_link_width>16x", "<current_link_width>4x"))
+    _nvidia_smi(tmp_path, monkeypatch, f'[ "$1" = "-q" ] && exec cat {tmp_path}/gpus.xml\nexit 0\n')
+    assert gpu_gate(["node1"], {"node1": [1]}) == []
+    refused = gpu_gate(["node1"], {"node1": [0, 1]})
+    assert refused == ["node1 GPU 0: PCIe link x4 of its x16"]
+    assert describe({"kind": "gpu_health", "node": "node1", "findings": refused}) == \
+        "the GPU gate refused the restart: node1 GPU 0: PCIe link x4 of its x16"
