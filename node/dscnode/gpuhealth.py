@@ -43,15 +43,15 @@ THROTTLE_WARN = {"sw_thermal_slowdown": "software thermal slowdown (the GPU runs
                  "sw_power_cap": "software power cap (the GPU draws its power limit)"}
 
 
-def _text(el, path, default=""):
+def _text(el, path):
+    """The text of el's element at path, stripped; "" where either is missing."""
     found = el.find(path) if el is not None else None
-    return (found.text or "").strip() if found is not None and found.text else default
+    return (found.text or "").strip() if found is not None else ""
 
 
 def _count(el, path):
     """A counter's value; 0 for N/A (ECC off, or a counter this GPU does not have)."""
-    t = _text(el, path)
-    return int(t) if t.isdigit() else 0
+    return _int(_text(el, path)) or 0
 
 
 def _bus(bus_id):
@@ -74,7 +74,9 @@ def parse_xml(text):
         link = g.find("pci/pci_gpu_link_info")
         util = _text(g, "utilization/gpu_util").split()[0:1]
         out.append({
-            "index": int(_text(g, "minor_number", "-1")) if _text(g, "minor_number").isdigit() else len(out),
+            # nvidia-smi's index (dsc_gpus', CUDA_VISIBLE_DEVICES'): the XML lists the GPUs in its
+            # order; minor_number is /dev/nvidiaN's, which may differ
+            "index": len(out),
             "bus_id": g.get("id", ""), "name": _text(g, "product_name"), "uuid": _text(g, "uuid"),
             "util": int(util[0]) if util and util[0].isdigit() else None,
             "ecc_uncorrectable": {
