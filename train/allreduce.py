@@ -33,7 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="", help="JSON result (default: $DSC_RUN_DIR/allreduce.json)")
     p.add_argument("--pairs", action="store_true",
                    help="then every pair of nodes in rounds (doctor.yml): one rank of each, --pair-size MiB")
-    p.add_argument("--pair-size", type=float, default=4.0, help="message size in MiB for --pairs")
+    p.add_argument("--pair-size", type=float, default=64.0,
+                   help="message size in MiB for --pairs (64: large enough for a link's line rate)")
     p.add_argument("--deepspeed_config", "--deepspeed-config", default="", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -52,6 +53,8 @@ def main(argv=None):
     import torch.distributed as dist  # noqa: PLC0415
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
+    if args.pairs:  # two ranks a pair: the ring, as nccl-tests measures a link (NCCL reads it at its init)
+        os.environ.setdefault("NCCL_ALGO", "Ring")
     deepspeed.init_distributed()
     acc = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

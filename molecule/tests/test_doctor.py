@@ -43,8 +43,10 @@ def test_doctor_names_the_slow_node_and_the_slow_link(doctor_nodes, cluster, fig
     # A control node that has never written a report: doctor makes the directory.
     reports = doctor_nodes.parent / "reports"
     assert not reports.exists()
-    # iperf3 for 1 s a pair: the shaped pairs are 25 and 250 times slower than the others
+    # iperf3 for 1 s a pair, the all-reduce's pairs at 4 MiB, not 64 (64 MiB over the 40 Mbit/s
+    # link: 13 s an all-reduce): the shaped pairs are 25 and 250 times slower than the others
     r = cluster.playbook("doctor.yml", "-e", f"preflight_report_dir={reports}", "-e", "preflight_iperf_seconds=1",
+                         "-e", json.dumps({"dsc_entry_args": ["--sizes", "1", "--iters", "5", "--pairs", "--pair-size", "4"]}),
                          inventory=doctor_nodes)
     assert r.returncode == 0, r.output[-6000:]
     report = json.loads((reports / "doctor-testcluster-latest.json").read_text())
@@ -59,3 +61,25 @@ def test_doctor_names_the_slow_node_and_the_slow_link(doctor_nodes, cluster, fig
     assert "NODE doc4: every pair with it is slow" in r.output and "LINK doc1-doc2: slow alone" in r.output
     figures("doctor", seconds=round(r.seconds, 1), median=report["median"],
             pairs={f"{p['a']}-{p['b']}": [p["iperf_gbps"], p["allreduce_gbps"]] for p in report["pairs"]})
+
+
+def test_two_nodes_slow_alike_are_named_against_what_their_interfaces_state(doctor_nodes, cluster, figures):
+    """doc1 and doc2 alone, all either sends shaped to 400 Mbit/s: one pair and nothing to compare it
+    with, but their veth interfaces state 10 Gbit/s. Before the stated speeds were read, this passed."""
+    two = doctor_nodes.parent / "two"
+    tc.write_inventory(NODES[:2], inv=two, known_hosts=doctor_nodes.parent / "known_hosts")
+    for node in ("doc1", "doc2"):
+        cluster.exec(node, "tc qdisc del dev eth0 root 2>/dev/null; true")
+        shape(cluster, node, "400mbit")
+    reports = doctor_nodes.parent / "reports-two"
+    r = cluster.playbook("doctor.yml", "-e", f"preflight_report_dir={reports}", "-e", "preflight_iperf_seconds=1",
+                         inventory=two)
+    assert r.returncode == 0, r.output[-6000:]
+    report = json.loads((reports / "doctor-testcluster-latest.json").read_text())
+    (pair,) = report["pairs"]
+    assert pair["promised"]["iperf_gbps"] == 10.0 and pair["iperf_gbps"] < 0.45, pair
+    assert [(f["kind"], f["subject"]) for f in report["findings"]] == [("network", "cluster")], report["findings"]
+    assert "NETWORK cluster: every pair below 40% of what its interfaces state (doc1-doc2: iperf3" in r.output
+    assert "the slower interface's stated 10 Gbit/s" in r.output
+    figures("doctor two nodes slow alike", iperf_gbps=pair["iperf_gbps"], allreduce_gbps=pair["allreduce_gbps"],
+            finding=report["findings"][0]["detail"])

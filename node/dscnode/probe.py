@@ -1,5 +1,5 @@
 """What the plan needs from a node, fast (no Python env, no torch) and read-only: GPUs,
-interfaces, InfiniBand, CPUs and the CPU's identity, the runs, the firewall, the SSH host keys, the
+interfaces and their stated speeds, InfiniBand, CPUs and the CPU's identity, the runs, the firewall, the SSH host keys, the
 installed helper's sha256, the node lock's and the wheelhouse copy's digests, the JIT cache's
 built ops, and every path root creates or writes into, each read with lstat. Ansible's script module pushes the built file
 and runs it before anything is installed (roles/plan)."""
@@ -161,13 +161,27 @@ def interfaces():
     return {name: None for _, name in socket.if_nameindex()}
 
 
+def link_speeds(root="/sys/class/net"):
+    """{interface: its stated speed in Mbit/s} where the kernel knows one (a physical NIC that is up,
+    a veth; -1 or an error for the others: absent)."""
+    out = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        try:
+            mbps = int(Path(root, name, "speed").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if mbps > 0:
+            out[name] = mbps
+    return out
+
+
 # An IPv4-mapped GID (::ffff:a.b.c.d): the RoCE v2 GID that routes over the node's IPv4 network.
 IPV4_GID = "0000:0000:0000:0000:0000:ffff:"
 
 
 def rdma(root="/sys/class/infiniband"):
     """Each RDMA port (InfiniBand, or RoCE over Ethernet): device, port, state (ACTIVE, DOWN,
-    ...), link layer and, for RoCE, the GID index NCCL needs (NCCL_IB_GID_INDEX: the first RoCE v2
+    ...), link layer, its rate in Gbit/s and, for RoCE, the GID index NCCL needs (NCCL_IB_GID_INDEX: the first RoCE v2
     GID holding an IPv4 address; None where there is none)."""
     out = []
     base = Path(root)
@@ -179,8 +193,10 @@ def rdma(root="/sys/class/infiniband"):
                     return (port / name).read_text().strip()
                 except OSError:
                     return ""
+            rate = re.match(r"([\d.]+) Gb/sec", read("rate"))  # "200 Gb/sec (4X HDR)"
             entry = {"device": dev.name, "port": int(port.name) if port.name.isdigit() else 0,
-                     "state": read("state").split(":")[-1].strip(), "link_layer": read("link_layer")}
+                     "state": read("state").split(":")[-1].strip(), "link_layer": read("link_layer"),
+                     "rate_gbps": float(rate.group(1)) if rate else None}
             if entry["link_layer"] == "Ethernet":
                 types = port / "gid_attrs" / "types"
                 indexes = sorted((int(f.name) for f in types.iterdir() if f.name.isdigit()) if types.is_dir() else [])
@@ -321,7 +337,7 @@ def probe(run_root="", existing="", install_root="", data_dir="", train_user="",
     is listed in `refused_reads` ({path, why}), which the plan shows naming the node."""
     ib = Path("/sys/class/infiniband")
     out = {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "memory_mib": memory_mib(), "cpu": cpu_identity(), "gpus": gpus(),
-           "interfaces": interfaces(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
+           "interfaces": interfaces(), "link_speeds": link_speeds(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
            "systemd": os.path.isdir("/run/systemd/system"),  # systemd is the init (sd_booted's test)
            "runs": runs(run_root) if run_root and unlinked(run_root) else [],  # a linked one: refused by the plan
            "run_root_links": links(run_root) if run_root else [],

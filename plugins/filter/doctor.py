@@ -9,7 +9,10 @@ Each figure is shown against the cluster's median: the median over the nodes of 
 pair (the median of all pairs would be pulled down by a slow node's n-1 pairs: on four nodes, half
 of them). A pair is slow when a figure is below `SLOW` of that median, or its measurement failed.
 A node all of whose pairs are slow is the culprit for them; a slow pair whose two nodes are both
-fast with another node is the link between them. Each finding comes with the fix to try.
+fast with another node is the link between them. Each figure is also held against what the pair's
+interfaces state (dscplan.network.promised): a pair below PROMISE of it is slow too, and where every
+pair is, the network as a whole is named (a cluster slow alike has no outlier; two nodes have
+nothing else to compare). Each finding comes with the fix to try.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import re
 import statistics
 
 from dscnode.pairs import pair_rounds
+from dscplan.network import NETWORK_FIX, PROMISE, below_promise, promised
 
 SLOW = 0.5
 METRICS = (("iperf_gbps", "iperf3", "Gbit/s"), ("allreduce_gbps", "all-reduce", "GB/s"))
@@ -60,8 +64,10 @@ def _slow(pair, median):
 
 def doctor_report(args):
     """(node names in rank order, each node's {"a b": iperf3 result of the pairs it sent in},
-    train.allreduce's answer with "pairs" or None, the run's error or '') -> the report."""
-    names, sent, allreduce, error = args
+    train.allreduce's answer with "pairs" or None, the run's error or '', the plan's node records
+    (their stated speeds; optional)) -> the report."""
+    names, sent, allreduce, error, *records = args
+    stated = {n["name"]: n for n in (records[0] if records else [])}
     iperf = {k: v for one in sent or [] for k, v in (one or {}).items()}
     measured = {tuple(p["nodes"]): p for p in (allreduce or {}).get("pairs") or []}
     pairs = []
@@ -71,10 +77,13 @@ def doctor_report(args):
             ar = measured.get((names.index(a), names.index(b)))
             pairs.append({"a": a, "b": b, "iperf_gbps": ip.get("gbps"), "iperf_error": ip.get("error"),
                           "allreduce_gbps": ar["busbw_gbps"] if ar else None,
-                          "allreduce_error": None if ar else (error or "not measured")})
+                          "allreduce_error": None if ar else (error or "not measured"),
+                          "promised": promised(stated.get(a) or {}, stated.get(b) or {})})
     median = {key: cluster_median(names, pairs, key) for key, _, _ in METRICS}
     for p in pairs:
-        p["slow"] = _slow(p, median)
+        p["below_promise"] = [why for key, label, unit in METRICS
+                              if (why := below_promise(p[key], p["promised"][key], label, unit))]
+        p["slow"] = _slow(p, median) + p["below_promise"]
         for key, _, _ in METRICS:
             p[key.replace("_gbps", "_of_median")] = (round(p[key] / median[key], 4)
                                                       if p[key] is not None and median[key] else None)
@@ -91,10 +100,19 @@ def findings(names, pairs, error):
         out.append({"kind": "join", "subject": node or "the all-reduce",
                     "detail": f"{'failed to join' if node else 'did not run'}: {error}",
                     "fix": "preflight.yml checks that node's env, versions, interface and the master port"})
+    if pairs and all(p["below_promise"] for p in pairs):  # slow alike: no node or link stands out
+        said = "; ".join(f"{p['a']}-{p['b']}: {', '.join(p['below_promise'])}" for p in pairs)
+        out.append({"kind": "network", "subject": "cluster", "fix": NETWORK_FIX,
+                    "detail": f"every pair below {PROMISE:.0%} of what its interfaces state ({said})"})
+        return out
     if len(names) < 3:
+        judged = [f"{label} {p[key]:g} {unit} = {p[key] / p['promised'][key]:.2g}x the stated {p['promised'][key]:g}"
+                  for p in pairs for key, label, unit in METRICS if p[key] is not None and p["promised"][key]]
         out.append({"kind": "none", "subject": "cluster",
-                    "detail": "two nodes: one pair, nothing to compare it with" if len(names) == 2 else
-                              "one node: no pair to measure",
+                    "detail": ("two nodes: " + (f"their pair at or above {PROMISE:.0%} of what its interfaces "
+                                                f"state ({'; '.join(judged)})" if judged else
+                                                "one pair, and no stated speed to hold it against"))
+                    if len(names) == 2 else "one node: no pair to measure",
                     "fix": "a third node tells a slow node from a slow link"})
         return out
     slow = [p for p in pairs if p["slow"]]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 
+from dscplan.network import NETWORK_FIX, below_promise, promised  # plugins/module_utils/dscplan, pure Python
+
 # The oldest Linux driver each CUDA major release runs on (minor-version compatibility, from
 # NVIDIA's CUDA toolkit release notes, table 2).
 MIN_DRIVER = {"11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
@@ -322,8 +324,22 @@ def _clock_rows(names, mesh, master, settings):
     return rows
 
 
-def _allreduce_rows(ar):
-    """The all-reduce measured across the cluster, where it ran (ar: its report)."""
+def iperf_row(node, ip, records):
+    """A node's iperf3 to the next one (ip: iperf_result's), held against the slower interface's
+    stated speed (records: the plan's nodes by name)."""
+    if ip.get("gbps") is None:  # an error that names its own fix (the port's holder) keeps it
+        error, _, fix = str(ip.get("error")).partition(". Fix: ")
+        return _row("iperf3", node, "WARN", f"{node} -> {ip['to']}: {error}",
+                    fix or "install iperf3 (base_packages) and allow the cluster's addresses")
+    promise = promised(records.get(node) or {}, records.get(ip["to"]) or {})["iperf_gbps"]
+    slow = below_promise(ip["gbps"], promise, "iperf3", "Gbit/s")
+    return _row("iperf3", node, "WARN" if slow else "PASS", f"{node} -> {ip['to']}: {ip['gbps']:.2f} Gbit/s"
+                + (f", {slow}" if slow else f" (stated {promise:g})" if promise else ""), NETWORK_FIX if slow else "")
+
+
+def _allreduce_rows(ar, nodes):
+    """The all-reduce measured across the cluster, where it ran (ar: its report), its largest size
+    held against the slowest RDMA port where every node has one (dscplan.network.promised)."""
     if ar is None:
         return []
     rows = []
@@ -332,9 +348,13 @@ def _allreduce_rows(ar):
                          "fix what the rows above name, then run preflight.yml again"))
     elif ar.get("busbw_gbps_max") is not None:
         big = ar["rows"][-1]
-        rows.append(_row("all-reduce", "all", "PASS",
+        promises = [promised(a, b)["allreduce_gbps"] for a in nodes for b in nodes if a is not b]
+        promise = min(promises) if promises and None not in promises else None
+        slow = below_promise(big["busbw_gbps"], promise, "busbw", "GB/s")
+        rows.append(_row("all-reduce", "all", "WARN" if slow else "PASS",
                          f"{ar['world_size']} ranks ({ar['backend']}): busbw {big['busbw_gbps']:.3f} GB/s "
-                         f"at {big['bytes'] // 2**20} MiB"))
+                         f"at {big['bytes'] // 2**20} MiB" + (f": {slow}" if slow else ""),
+                         NETWORK_FIX if slow else ""))
     else:
         rows.append(_row("all-reduce", "all", "FAIL", ar.get("error", "did not finish"),
                          "read the run's launcher.log (kept in the report); fix the FAILs above first"))
@@ -358,6 +378,7 @@ def preflight_rows(hostvars, cluster, settings):
                              f"{hv[n].get('__preflight_unreachable_msg', 'unreachable')}",
                              "start sshd on the node, or fix ansible_host/ansible_port/the key"))
     ok = [n for n in names if reach[n] and probe[n]]
+    records = {node["name"]: node for node in cluster["nodes"]}
     mesh = hv[master].get("__preflight_mesh") or {}
     # Without ssh between nodes, nothing resolves their names (the hostfile's names are only keys
     # there, the master an address).
@@ -407,17 +428,9 @@ def preflight_rows(hostvars, cluster, settings):
                 n, node["addr"], probe[n].get("interfaces") or {}, settings.get("ifname") or own)))
             rows.append(_row("rank network", n, *rank_network_verdict(node, cluster)))
     rows += _clock_rows(names, mesh, master, settings)
-    for n in names:
-        ip = hv[n].get("__preflight_iperf")
-        if ip is None:
-            continue
-        if ip.get("gbps") is not None:
-            rows.append(_row("iperf3", n, "PASS", f"{n} -> {ip['to']}: {ip['gbps']:.2f} Gbit/s"))
-        else:  # an error that names its own fix (the port's holder) keeps it
-            error, _, fix = str(ip.get("error")).partition(". Fix: ")
-            rows.append(_row("iperf3", n, "WARN", f"{n} -> {ip['to']}: {error}",
-                             fix or "install iperf3 (base_packages) and allow the cluster's addresses"))
-    rows += _allreduce_rows(hv[master].get("__preflight_allreduce"))
+    rows += [iperf_row(n, hv[n]["__preflight_iperf"], records) for n in names
+             if hv[n].get("__preflight_iperf") is not None]
+    rows += _allreduce_rows(hv[master].get("__preflight_allreduce"), cluster["nodes"])
     if (cluster.get("slurm") or {}).get("install") or cluster["launcher"]["queue"] is not None:
         rows += slurm_rows(cluster, {n: hv[n].get("__preflight_slurm") for n in ok})
     return rows

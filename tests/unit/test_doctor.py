@@ -7,6 +7,7 @@ themselves run on the container cluster (molecule/tests/test_doctor.py).
 import pytest
 
 from dscnode.pairs import pair_rounds
+from dscplan.network import promised
 from plugins.filter import doctor
 
 NAMES = ["n1", "n2", "n3", "n4"]
@@ -88,3 +89,42 @@ def test_a_failed_measurement_is_slow_with_its_error_and_a_node_that_never_joine
     join = r["findings"][0]
     assert (join["kind"], join["subject"]) == ("join", "n3") and join["detail"].startswith("failed to join: Run doctor-1 failed")
     assert all(p["allreduce_gbps"] is None and p["allreduce_error"] == error for p in r["pairs"])
+
+
+def records(names, mbps=10_000, rdma=None):
+    """The plan's node records as far as the promise reads them: the training interface's stated
+    speed, and RDMA ports."""
+    return [{"name": n, "link_mbps": mbps, "rdma": rdma or []} for n in names]
+
+
+def test_a_cluster_slow_alike_is_named_against_what_its_interfaces_state():
+    # every pair at 0.4 Gbit/s (as tc's htb shapes every node's eth0) on interfaces stating 10 Gbit/s
+    sent, allreduce = measured(NAMES, fast=0.4 / 1.1)
+    r = doctor.doctor_report((NAMES, sent, allreduce, "", records(NAMES)))
+    assert kinds(r) == [("network", "cluster")], r["findings"]
+    assert r["findings"][0]["detail"].startswith("every pair below 40% of what its interfaces state (n1-n4: iperf3 "
+                                                 "0.4 Gbit/s = 0.04x the slower interface's stated 10 Gbit/s")
+    assert "ethtool" in r["findings"][0]["fix"]
+    assert kinds(doctor.doctor_report((NAMES, sent, allreduce, ""))) == [("none", "cluster")]  # no promise: no verdict
+
+
+def test_two_nodes_are_judged_against_their_interfaces():
+    names = NAMES[:2]
+    sent, allreduce = measured(names, fast=0.4 / 1.1)
+    assert kinds(doctor.doctor_report((names, sent, allreduce, "", records(names)))) == [("network", "cluster")]
+    sent, allreduce = measured(names, fast=9.0)
+    (finding,) = doctor.doctor_report((names, sent, allreduce, "", records(names)))["findings"]
+    assert finding["kind"] == "none" and "iperf3 9.9 Gbit/s = 0.99x the stated 10" in finding["detail"]
+
+
+@pytest.mark.parametrize("mbps,rdma,promise", [
+    (10_000, None, {"iperf_gbps": 10.0, "allreduce_gbps": None}),
+    (400_000, None, {"iperf_gbps": None, "allreduce_gbps": None}),  # TCP cannot fill it: not judged by iperf3
+    (None, None, {"iperf_gbps": None, "allreduce_gbps": None}),
+    (100_000, [{"state": "ACTIVE", "rate_gbps": 200.0}, {"state": "DOWN", "rate_gbps": 400.0}],
+     {"iperf_gbps": 100.0, "allreduce_gbps": 25.0}),  # 4X HDR: 200 Gbit/s = 25 GB/s of bus bandwidth
+])
+def test_what_a_pair_promises(mbps, rdma, promise):
+    a, b = records(["a", "b"], mbps, rdma)
+    assert promised(a, b) == promise
+    assert promised(a, dict(b, link_mbps=1000))["iperf_gbps"] == (1.0 if mbps and mbps <= 100_000 else None)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from dscnode import gpuhealth
+from dscnode.supervisor import describe, gpu_gate
 from plugins.filter import preflight
 
 XML = (Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "h100-two-gpus.xml").read_text()
@@ -196,7 +197,6 @@ def test_an_nvidia_smi_that_hangs_floods_or_fails_is_a_fail_not_a_hang(tmp_path,
 
 
 def test_the_supervisors_gate_names_each_failing_gpu_of_its_own_node(tmp_path, monkeypatch):
-    from dscnode.supervisor import describe, gpu_gate
     assert gpu_gate(["node1"], {"node1": []}) == []  # CPU ranks: nothing asked
     (tmp_path / "gpus.xml").write_text(on_gpu0("<current_link_width>16x", "<current_link_width>4x"))
     _nvidia_smi(tmp_path, monkeypatch, f'[ "$1" = "-q" ] && exec cat {tmp_path}/gpus.xml\nexit 0\n')

@@ -39,8 +39,11 @@ def test_the_probe_reads_each_rdma_port_and_the_roce_v2_gid_that_holds_an_ipv4_a
     files): an InfiniBand port up, one down, and a RoCE port whose IPv4 GID is index 3."""
     sysfs(tmp_path, {
         "mlx5_0/ports/1/state": "4: ACTIVE", "mlx5_0/ports/1/link_layer": "InfiniBand",
+        "mlx5_0/ports/1/rate": "200 Gb/sec (4X HDR)",
         "mlx5_1/ports/1/state": "1: DOWN", "mlx5_1/ports/1/link_layer": "InfiniBand",
+        "mlx5_1/ports/1/rate": "10 Gb/sec (4X SDR)",
         "mlx5_2/ports/1/state": "4: ACTIVE", "mlx5_2/ports/1/link_layer": "Ethernet",
+        "mlx5_2/ports/1/rate": "100 Gb/sec (2X HDR)",
         **{f"mlx5_2/ports/1/gid_attrs/types/{i}": kind
            for i, kind in enumerate(["IB/RoCE v1", "RoCE v2", "IB/RoCE v1", "RoCE v2"])},
         "mlx5_2/ports/1/gids/0": "fe80:0000:0000:0000:0a42:a1ff:fe2b:0c1e",
@@ -48,10 +51,18 @@ def test_the_probe_reads_each_rdma_port_and_the_roce_v2_gid_that_holds_an_ipv4_a
         "mlx5_2/ports/1/gids/2": "0000:0000:0000:0000:0000:ffff:0a00:0005",
         "mlx5_2/ports/1/gids/3": "0000:0000:0000:0000:0000:ffff:0a00:0005"})
     assert probe.rdma(str(tmp_path)) == [
-        {"device": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand"},
-        {"device": "mlx5_1", "port": 1, "state": "DOWN", "link_layer": "InfiniBand"},
-        {"device": "mlx5_2", "port": 1, "state": "ACTIVE", "link_layer": "Ethernet", "gid_index": 3}]
+        {"device": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand", "rate_gbps": 200.0},
+        {"device": "mlx5_1", "port": 1, "state": "DOWN", "link_layer": "InfiniBand", "rate_gbps": 10.0},
+        {"device": "mlx5_2", "port": 1, "state": "ACTIVE", "link_layer": "Ethernet", "rate_gbps": 100.0, "gid_index": 3}]
     assert probe.rdma(str(tmp_path / "none")) == []
+
+
+def test_the_probe_reads_each_interfaces_stated_speed(tmp_path):
+    """/sys/class/net as the kernel lays it out: a NIC's speed in Mbit/s; -1 where it is down or
+    not stated, and no file at all (loopback: EINVAL on read, here missing) are left out."""
+    sysfs(tmp_path, {"eth0/speed": "25000", "eth1/speed": "-1", "ib0/speed": "200000", "lo/mtu": "65536"})
+    assert probe.link_speeds(str(tmp_path)) == {"eth0": 25000, "ib0": 200000}
+    assert probe.link_speeds(str(tmp_path / "none")) == {}
 
 
 @pytest.mark.parametrize("release,ufw_conf,comms,want", [

@@ -308,3 +308,29 @@ def test_what_ranks_print_is_shown_with_control_sequences_escaped():
     cb = progress_callback()
     assert cb.shown("loss 1.0\x1b]52;c;ZXZpbA==\x07\x1b[2J\x9b31m\u2028end\tx") == \
         "loss 1.0\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J\\x9b31m\\u2028end\tx"
+
+
+def test_iperf3_and_the_all_reduce_are_held_against_what_the_interfaces_state():
+    """The probe's stated speeds reach the plan's node records (link_mbps, each RDMA port's rate),
+    and preflight's rows hold the measurements against the slower of each pair."""
+    hostvars, groups, probes = plan_cluster(n=2)
+    for name in probes:
+        probes[name]["link_speeds"] = {"eth0": 10000, "lo": 0}
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, now="20261130-000000")
+    assert errors == [] and [n["link_mbps"] for n in p["nodes"]] == [10000, 10000]
+    records = {n["name"]: n for n in p["nodes"]}
+    row = preflight.iperf_row("node1", {"to": "node2", "gbps": 9.41}, records)
+    assert (row["status"], row["detail"]) == ("PASS", "node1 -> node2: 9.41 Gbit/s (stated 10)")
+    row = preflight.iperf_row("node1", {"to": "node2", "gbps": 0.38}, records)  # every link shaped to 400 Mbit/s
+    assert row["status"] == "WARN" and row["detail"].endswith(
+        "0.38 Gbit/s, iperf3 0.38 Gbit/s = 0.038x the slower interface's stated 10 Gbit/s") and "ethtool" in row["fix"]
+    # InfiniBand HDR on both: the all-reduce's bus bandwidth against 200 Gbit/s = 25 GB/s
+    hdr = {"device": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand", "rate_gbps": 200.0}
+    nodes = [dict(n, rdma=[hdr]) for n in p["nodes"]]
+    ar = {"world_size": 16, "backend": "nccl", "busbw_gbps_max": 4.1, "rows": [{"bytes": 1 << 30, "busbw_gbps": 4.1}]}
+    (row,) = preflight._allreduce_rows(ar, nodes)
+    assert row["status"] == "WARN" and "busbw 4.1 GB/s = 0.16x the slower interface's stated 25 GB/s" in row["detail"]
+    ar["rows"][-1]["busbw_gbps"] = 22.9
+    assert preflight._allreduce_rows(ar, nodes)[0]["status"] == "PASS"
+    assert preflight._allreduce_rows(dict(ar, rows=[{"bytes": 1 << 30, "busbw_gbps": 0.4}]), p["nodes"])[0]["status"] \
+        == "PASS"  # no RDMA stated: only the median judges it (doctor.yml)

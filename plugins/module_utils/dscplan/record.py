@@ -25,7 +25,8 @@ class NodeRecord:
     gpu_memory_mib: int | None  # the smallest of the GPUs it uses (preset=auto)
     iface: str  # the interface that holds its training address
     infiniband: bool  # an InfiniBand device is there
-    rdma: list[dict]  # its RDMA ports (dscnode.probe.rdma): device, port, state, link_layer, gid_index
+    rdma: list[dict]  # its RDMA ports (dscnode.probe.rdma): device, port, state, link_layer, rate_gbps, gid_index
+    link_mbps: int | None  # its training interface's stated speed (/sys/class/net/<iface>/speed; None: not stated)
     reachable: bool  # its probe answered (status.yml plans with nodes that did not)
     ssh_host_keys: list[str]  # its SSH host keys ("type base64"), pinned in the master's known_hosts
     probe_error: str  # why its probe gave no report ("" where it did)

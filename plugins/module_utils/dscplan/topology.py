@@ -110,7 +110,8 @@ def node_records(names, hostvars, defaults, probes, problems, probe_errors):
             driver=(gpus[0].get("driver") if gpus else "") or "",
             gpu_memory_mib=min((g.get("memory_mib") or 0 for g in gpus
                                 if not gpu_ids or int(g.get("index", -1)) in gpu_ids), default=0) or None,
-            iface=interface_for(addr, probe.get("interfaces") or {}),
+            iface=(iface := interface_for(addr, probe.get("interfaces") or {})),
+            link_mbps=(probe.get("link_speeds") or {}).get(iface),
             infiniband=bool(probe.get("infiniband")), rdma=list(probe.get("rdma") or []),
             reachable=reachable,
             ssh_host_keys=list(probe.get("ssh_host_keys") or []),
