@@ -5,7 +5,8 @@
 # STATUS, text and JSON, asked on its client port while the communicator lives.
 #
 #   bench/gpu_capture.sh        -> $OUT/capture-<gpu>.tar.gz (default OUT ./gpu-results)
-# The fixtures under tests/unit/fixtures/gpu/ were cut from these files.
+# tests/fixtures/gpu/h100-two-gpus.xml is written after nvidia-smi's DTD; a capture from this
+# script replaces it (each fault in tests/unit/test_gpu_health.py stays one edit of that file).
 set -uo pipefail
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"; d=$(mktemp -d)
 py=/opt/torch/.venv/bin/python3
