@@ -241,25 +241,24 @@ def resolve_latest(argv, cwd="."):
 
 def gpu_gate(hosts, used_gpus):
     """The GPU gate before a restart (dscnode.gpuhealth's quick subset, as launch's): the failing
-    findings of every node the supervisor restarts, "node: what" each; [] where all pass or no node
-    uses a GPU. As the training user here: the kernel log's Xids are read where it may read them."""
-    if not any(used_gpus.get(h) for h in hosts):
-        return []
-    fails = []
-    for i, host in enumerate(hosts):
-        ids = used_gpus.get(host) or []
-        if not ids:
-            continue
-        if i == 0:
-            health = gpuhealth.report(ids)
-        else:
-            said = on_others([hosts[0], host], "gpu-health", "--gpus", json.dumps(ids)).get(host, "")
+    findings of every node the supervisor restarts, "<node> GPU i: what" each; [] where all pass
+    or no node uses a GPU. This node's own here, the others' through pdsh, one call for the nodes
+    that use the same GPUs. As the training user: the kernel log's Xids are read where it may."""
+    health = {}
+    if used_gpus.get(hosts[0]):
+        health[hosts[0]] = gpuhealth.report(used_gpus[hosts[0]])
+    alike = {}
+    for host in hosts[1:]:
+        if used_gpus.get(host):
+            alike.setdefault(json.dumps(used_gpus[host]), []).append(host)
+    for ids, group in alike.items():
+        for host, said in on_others([hosts[0], *group], "gpu-health", "--gpus", ids).items():
             try:
-                health = json.loads(said)
+                health[host] = json.loads(said)
             except ValueError:
-                health = None  # unreachable: the restart itself says so
-        fails += [f"{host} {f['what']}" for f in (health or {}).get("findings", []) if f["status"] == "FAIL"]
-    return fails
+                pass  # no answer: the restart itself finds the node unreachable
+    return [f"{host} {f['what']}" for host in hosts for f in (health.get(host) or {}).get("findings", [])
+            if f["status"] == "FAIL"]
 
 
 def with_resume(cmd, resume_args):
