@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -55,8 +56,12 @@ def main(argv=None):
 
     if args.pairs:  # two ranks a pair: the ring, as nccl-tests measures a link (NCCL reads it at its init)
         os.environ.setdefault("NCCL_ALGO", "Ring")
-    deepspeed.init_distributed()
     acc = get_accelerator()
+    run_dir = Path(os.environ.get("DSC_RUN_DIR", "."))
+    if acc.device_name() == "cuda":  # which transport NCCL chose, each rank's lines in a file of its own
+        os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET",
+                          NCCL_DEBUG_FILE=str(run_dir / "nccl-%h-%p.log"))
+    deepspeed.init_distributed()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if acc.device_name() == "cuda":
         acc.set_device(local_rank)
@@ -95,17 +100,33 @@ def main(argv=None):
                   f"busbw {busbw:8.3f} GB/s", flush=True)
 
     pairs = measure_pairs(dist, acc, device, args) if args.pairs else None
+    used = nccl_transports(dist, run_dir, local_rank) if dist.get_backend() == "nccl" else None
     if rank == 0:
         result = {"world_size": world, "backend": dist.get_backend(), "device": str(device.type),
                   "iters": args.iters, "rows": rows,
                   "busbw_gbps_max": max(r["busbw_gbps"] for r in rows),
-                  **({"pairs": pairs} if pairs is not None else {})}
-        out = Path(args.out or Path(os.environ.get("DSC_RUN_DIR", ".")) / RunDir.ALLREDUCE)
+                  **({"pairs": pairs} if pairs is not None else {}),
+                  **({"transport": used} if used is not None else {})}
+        out = Path(args.out or run_dir / RunDir.ALLREDUCE)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.rename(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def nccl_transports(dist, run_dir, local_rank):
+    """{node index (CROSS_RANK, hostfile order): what NCCL used there, read by its local rank 0
+    from its own debug file (dscnode.nccllog)}, on global rank 0; None elsewhere."""
+    from dscnode import nccllog  # noqa: PLC0415
+    mine = None
+    if local_rank == 0:
+        path = run_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
+        t = nccllog.transport(nccllog.read(path)) if path.exists() else nccllog.transport([])
+        mine = {"node": int(os.environ.get("CROSS_RANK", 0)), **t, "summary": nccllog.summary(t)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {str(t["node"]): t for t in everyone if t} if dist.get_rank() == 0 else None
 
 
 def measure_pairs(dist, acc, device, args):

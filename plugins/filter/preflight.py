@@ -361,6 +361,28 @@ def _allreduce_rows(ar, nodes):
     return rows
 
 
+def transport_rows(ar, nodes):
+    """What NCCL used on each node in the all-reduce (train.allreduce's "transport", GPU nodes
+    only): a WARN where the node has an ACTIVE RDMA port but NCCL sent over sockets, or used
+    InfiniBand without GPUDirect RDMA."""
+    rows = []
+    for i, node in enumerate(nodes):
+        t = ((ar or {}).get("transport") or {}).get(str(i))
+        if t is None:
+            continue
+        rdma = [f"{p['device']}/{p['port']}" for p in node.get("rdma") or [] if p.get("state") == "ACTIVE"]
+        status, fix = "PASS", ""
+        if rdma and ("Socket" in t["channels"] or (not t["channels"] and t["network"] == "Socket")):
+            status, fix = "WARN", (f"{node['name']} has ACTIVE RDMA ports ({', '.join(rdma)}) that NCCL left unused: "
+                                   "check NCCL_IB_DISABLE (the plan sets 1 unless every node has InfiniBand), "
+                                   "NCCL_IB_HCA, and that the env's NCCL finds libibverbs (rdma-core)")
+        elif t["gdr"] is False and "IB" in t["channels"]:
+            status, fix = "WARN", ("load nvidia-peermem (GPUDirect RDMA) on the node, and check "
+                                   "NCCL_NET_GDR_LEVEL against the GPU-NIC distance (nvidia-smi topo -m)")
+        rows.append(_row("nccl transport", node["name"], status, t["summary"], fix))
+    return rows
+
+
 def preflight_rows(hostvars, cluster, settings):
     rows = [_row("inventory", "all", "PASS", "cluster model valid: "
                  f"{cluster['num_nodes']} nodes, world size {cluster['world_size']}, "
@@ -431,6 +453,7 @@ def preflight_rows(hostvars, cluster, settings):
     rows += [iperf_row(n, hv[n]["__preflight_iperf"], records) for n in names
              if hv[n].get("__preflight_iperf") is not None]
     rows += _allreduce_rows(hv[master].get("__preflight_allreduce"), cluster["nodes"])
+    rows += transport_rows(hv[master].get("__preflight_allreduce"), cluster["nodes"])
     if (cluster.get("slurm") or {}).get("install") or cluster["launcher"]["queue"] is not None:
         rows += slurm_rows(cluster, {n: hv[n].get("__preflight_slurm") for n in ok})
     return rows

@@ -1,0 +1,63 @@
+"""Which transport NCCL chose, read from its INFO lines (dscnode.nccllog) as NCCL printed them in
+logs posted to public issues (tests/fixtures/nccl/, each file's first line its source), and
+preflight's row for each node (plugins/filter/preflight.py)."""
+from pathlib import Path
+
+import pytest
+
+from dscnode import nccllog
+from plugins.filter import preflight
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nccl"
+
+
+def read(name):
+    return nccllog.read(FIXTURES / name)
+
+
+@pytest.mark.parametrize("name,network,devices,channels,gdr,said", [
+    ("ib-bound.log", "IB", ["mlx5_10:1/IB", "mlx5_11:1/IB", "mlx5_12:1/IB", "mlx5_13:1/IB"], {}, None,
+     "NET/IB over mlx5_10:1/IB, mlx5_11:1/IB, mlx5_12:1/IB, mlx5_13:1/IB chosen; no channel left the node (one node)"),
+    ("ib-gdr-channels.log", "IB", [], {"IB/GDRDMA": 2}, True, "NET/IB with GPUDirect RDMA"),
+    ("ib-no-gdr-channels.log", "IB", [], {"IB": 4}, False, "NET/IB without GPUDirect RDMA (through host memory)"),
+    ("socket-bound.log", "Socket", ["lo:127.0.0.1"], {}, None,
+     "NET/Socket over lo:127.0.0.1 chosen; no channel left the node (one node)"),
+    ("socket-channels.log", "Socket", [], {"Socket": 2}, False, "NET/Socket"),
+    # NCCL 2.4 bound sockets first, then IB, and printed no "Using network" line
+    ("socket-then-ib.log", "IB", ["mlx5_0:1/IB"], {}, None,
+     "NET/IB over mlx5_0:1/IB chosen; no channel left the node (one node)"),
+])
+def test_the_transport_of_each_log(name, network, devices, channels, gdr, said):
+    t = nccllog.transport(read(name))
+    assert (t["network"], t["devices"], t["channels"]) == (network, devices, channels)
+    assert t["gdr"] is gdr  # None: no channel left the node
+    assert nccllog.summary(t) == said
+
+
+def test_no_line_says_so():
+    assert nccllog.summary(nccllog.transport([])) == \
+        "no NCCL network line (NCCL not used, or its INFO lines were not kept)"
+
+
+def node(name, rdma=()):
+    return {"name": name, "rdma": [{"device": d, "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand"}
+                                   for d in rdma]}
+
+
+def transport_of(name):
+    t = nccllog.transport(read(name))
+    return dict(t, summary=nccllog.summary(t))
+
+
+def test_preflight_warns_where_a_node_with_rdma_sent_over_sockets_or_without_gpudirect():
+    ar = {"transport": {"0": transport_of("ib-gdr-channels.log"), "1": transport_of("socket-channels.log"),
+                        "2": transport_of("ib-no-gdr-channels.log")}}
+    rows = preflight.transport_rows(ar, [node("n1", ["mlx5_0"]), node("n2", ["mlx5_0"]), node("n3", ["mlx5_0"])])
+    assert [(r["node"], r["status"]) for r in rows] == [("n1", "PASS"), ("n2", "WARN"), ("n3", "WARN")]
+    assert rows[0]["detail"] == "NET/IB with GPUDirect RDMA"
+    assert "n2 has ACTIVE RDMA ports (mlx5_0/1) that NCCL left unused" in rows[1]["fix"]
+    assert "nvidia-peermem" in rows[2]["fix"]
+    # sockets on a node without RDMA: what it has
+    assert preflight.transport_rows({"transport": {"0": transport_of("socket-channels.log")}}, [node("n1")])[0]["status"] \
+        == "PASS"
+    assert preflight.transport_rows({"rows": []}, [node("n1")]) == []  # gloo: no NCCL, no row
