@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the GPU health gate and NCCL's transport reader are tested on (docs/preflight.md): this
 # machine's `nvidia-smi -q -x` and `-q`, its kernel log's Xid lines, its interfaces' stated speeds,
-# and a one-rank NCCL run's INFO lines (NCCL_DEBUG_SUBSYS=INIT,NET,ENV) with RAS's answer to
+# and a one-rank NCCL run's INFO lines (NCCL_DEBUG_SUBSYS=INIT,NET,ENV,GRAPH) with RAS's answer to
 # STATUS, text and JSON, asked on its client port while the communicator lives.
 #
 #   bench/gpu_capture.sh        -> $OUT/capture-<gpu>.tar.gz (default OUT ./gpu-results)

@@ -100,7 +100,7 @@ def main(argv=None):
                   f"busbw {busbw:8.3f} GB/s", flush=True)
 
     pairs = measure_pairs(dist, acc, device, args) if args.pairs else None
-    used = nccl_transports(dist, run_dir, local_rank) if dist.get_backend() == "nccl" else None
+    used = nccl_transports(dist, run_dir) if dist.get_backend() == "nccl" else None
     if rank == 0:
         result = {"world_size": world, "backend": dist.get_backend(), "device": str(device.type),
                   "iters": args.iters, "rows": rows,
@@ -115,18 +115,22 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def nccl_transports(dist, run_dir, local_rank):
-    """{node index (CROSS_RANK, hostfile order): what NCCL used there, read by its local rank 0
-    from its own debug file (dscnode.nccllog)}, on global rank 0; None elsewhere."""
+def nccl_transports(dist, run_dir):
+    """{node index (CROSS_RANK, hostfile order): what NCCL used there, every rank's own debug file
+    read (dscnode.nccllog: a node with more GPUs than NICs has ranks whose channels never leave
+    it) and merged}, on global rank 0; None elsewhere."""
     from dscnode import nccllog  # noqa: PLC0415
-    mine = None
-    if local_rank == 0:
-        path = run_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
-        t = nccllog.transport(nccllog.read(path)) if path.exists() else nccllog.transport([])
-        mine = {"node": int(os.environ.get("CROSS_RANK", 0)), **t, "summary": nccllog.summary(t)}
+    path = run_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
+    mine = (int(os.environ.get("CROSS_RANK", 0)), nccllog.transport(nccllog.read(path) if path.exists() else []))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return {str(t["node"]): t for t in everyone if t} if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    nodes = {}
+    for node, t in everyone:
+        nodes.setdefault(node, []).append(t)
+    return {str(node): dict(merged := nccllog.merge(ts), summary=nccllog.summary(merged))
+            for node, ts in sorted(nodes.items())}
 
 
 def measure_pairs(dist, acc, device, args):

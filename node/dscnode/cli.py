@@ -136,7 +136,8 @@ def parser():
     start_arguments(action("start", _start, "under the run root's lock: take a master port, detach a "
                                             "supervisor that runs the command after --"))
     p = action("gpu-health", _gpu_health, "this node's GPUs judged (the gate before a restart)")
-    p.add_argument("--gpus", default="[]", help="JSON list: the indices the run uses (a fault elsewhere only warns)")
+    p.add_argument("--gpus", default="null", help="JSON list: the indices the run uses (a fault elsewhere only "
+                                                  "warns); null: every GPU")
     p = action("procs", _procs, "the processes that carry DSC_RUN_ID=RUN_ID")
     p.add_argument("run_id")
     p = action("stop", _stop, "mark the run stopped, TERM its processes, KILL them after the grace")

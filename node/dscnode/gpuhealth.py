@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from dscnode.procs import run_bounded
 
 XML_LIMIT = 8 << 20  # nvidia-smi -q -x: ~40 KB a GPU
-KERNEL_LOG_LIMIT = 32 << 20  # the kernel's ring buffer is at most 32 MiB (log_buf_len)
+NVRM_LIMIT = 1 << 20  # the kernel log's NVIDIA driver lines kept, the newest
 NVIDIA_SMI_S = 30
 DCGM_S = 120
 
@@ -41,6 +41,11 @@ THROTTLE_FAIL = {"hw_slowdown": "hardware slowdown (HW_SLOWDOWN: overheating or 
                  "hw_power_brake_slowdown": "hardware power brake (an external power brake signal)"}
 THROTTLE_WARN = {"sw_thermal_slowdown": "software thermal slowdown (the GPU runs near its temperature limit)",
                  "sw_power_cap": "software power cap (the GPU draws its power limit)"}
+
+
+# Uncorrectable ECC counters: Ampere and later (DRAM, SRAM parity and SEC-DED), before (double bit).
+UNCORRECTABLE = ("dram_uncorrectable", "sram_uncorrectable", "sram_uncorrectable_parity",
+                 "sram_uncorrectable_secded", "double_bit/total")
 
 
 def _text(el, path):
@@ -77,18 +82,12 @@ def parse_xml(text):
             # nvidia-smi's index (dsc_gpus', CUDA_VISIBLE_DEVICES'): the XML lists the GPUs in its
             # order; minor_number is /dev/nvidiaN's, which may differ
             "index": len(out),
-            "bus_id": g.get("id", ""), "name": _text(g, "product_name"), "uuid": _text(g, "uuid"),
+            "bus_id": g.get("id", ""), "name": _text(g, "product_name"),
             "util": int(util[0]) if util and util[0].isdigit() else None,
-            "ecc_uncorrectable": {
-                "volatile": sum(_count(g, f"ecc_errors/volatile/{k}") for k in
-                                ("dram_uncorrectable", "sram_uncorrectable", "sram_uncorrectable_parity",
-                                 "sram_uncorrectable_secded", "double_bit/total")),
-                "aggregate": sum(_count(g, f"ecc_errors/aggregate/{k}") for k in
-                                 ("dram_uncorrectable", "sram_uncorrectable", "sram_uncorrectable_parity",
-                                  "sram_uncorrectable_secded", "double_bit/total"))},
+            "ecc_uncorrectable": {scope: sum(_count(g, f"ecc_errors/{scope}/{k}") for k in UNCORRECTABLE)
+                                  for scope in ("volatile", "aggregate")},
             "remap": {"pending": _text(g, "remapped_rows/remapped_row_pending") == "Yes",
-                      "failed": _text(g, "remapped_rows/remapped_row_failure") == "Yes",
-                      "uncorrectable": _count(g, "remapped_rows/remapped_row_unc")},
+                      "failed": _text(g, "remapped_rows/remapped_row_failure") == "Yes"},
             "retired_pending": _text(g, "retired_pages/pending_retirement") == "Yes"
             or _text(g, "retired_pages/pending_blacklist") == "Yes",
             "pcie": {"width": _width(_text(link, "link_widths/current_link_width")),
@@ -227,29 +226,38 @@ def judge(gpus, used, events=(), links=None, owner=_owner, train_user=""):
 
 
 def kernel_log():
-    """The kernel log's text (dmesg, else journalctl's since this boot), bounded; None where neither reads."""
+    """The kernel log's NVIDIA driver lines (dmesg, else journalctl's of this boot), the newest
+    NVRM_LIMIT bytes of them; None where neither could be read (journalctl without access to the
+    journal answers "-- No entries --", exit 0)."""
     for cmd in (["dmesg"], ["journalctl", "-k", "-b", "--no-pager", "-o", "short-monotonic"]):
-        rc, out = run_bounded(cmd, KERNEL_LOG_LIMIT, timeout=NVIDIA_SMI_S)
-        if rc in (0, None) and out:
+        rc, out = run_bounded(cmd, NVRM_LIMIT, timeout=NVIDIA_SMI_S,
+                              keep=lambda line: b"NVRM" in line or line.startswith(b"-- No entries"))
+        if rc == 0 and not out.startswith("-- No entries"):
             return out
     return None
 
 
 def dcgm_diag():
     """DCGM's quick diagnostic (level 1) where dcgmi is installed: None where it is not, else
-    (passed, what it said)."""
+    (status, what it said): FAIL for a test that failed or no answer in DCGM_S, WARN where dcgmi
+    could not reach its host engine (nv-hostengine not running)."""
     if not shutil.which("dcgmi"):
         return None
     rc, out = run_bounded(["dcgmi", "diag", "-r", "1"], XML_LIMIT, timeout=DCGM_S)
     if rc == 124:
-        return False, f"dcgmi diag -r 1 did not end within {DCGM_S} s"
+        return "FAIL", f"dcgmi diag -r 1 did not end within {DCGM_S} s"
+    if re.search(r"host engine|Unable to connect", out, re.I):
+        return "WARN", f"dcgmi could not reach DCGM's host engine ({out.strip()[-200:]}): no diagnostic ran"
     failed = [line.strip(" |") for line in out.splitlines() if re.search(r"\bFail", line)]
-    return rc == 0 and not failed, "; ".join(failed)[:300] or f"dcgmi diag -r 1 exit {rc}"
+    if rc == 0 and not failed:
+        return "PASS", ""
+    return "FAIL", "; ".join(failed)[:300] or f"dcgmi diag -r 1 exit {rc}"
 
 
 def report(used=None, train_user="", full=False):
-    """This node's GPU health as preflight's check reports it: None where there is no nvidia-smi."""
-    if not shutil.which("nvidia-smi"):
+    """This node's GPU health as preflight's check reports it: None where there is no nvidia-smi,
+    or where the run uses no GPU here (used == []: a CPU node; used None: every GPU)."""
+    if not shutil.which("nvidia-smi") or used == []:
         return None
     start = time.monotonic()
     rc, text = run_bounded(["nvidia-smi", "-q", "-x"], XML_LIMIT, timeout=NVIDIA_SMI_S)
@@ -274,9 +282,10 @@ def report(used=None, train_user="", full=False):
                       "fix": "let root read the kernel log (kernel.dmesg_restrict, CAP_SYSLOG)"})
     if full:
         diag = dcgm_diag()
-        if diag is not None and not diag[0]:
-            found.append({"gpu": None, "status": "FAIL", "what": f"DCGM's quick diagnostic: {diag[1]}",
-                          "fix": "run dcgmi diag -r 1 on the node and follow what it names"})
+        if diag is not None and diag[0] != "PASS":
+            found.append({"gpu": None, "status": diag[0], "what": f"DCGM's quick diagnostic: {diag[1]}",
+                          "fix": "run dcgmi diag -r 1 on the node and follow what it names (systemctl start "
+                                 "nvidia-dcgm where its host engine is not running)"})
     return {"gpus": [{k: g[k] for k in ("index", "name", "bus_id")} for g in gpus], "findings": found,
             "dcgm": None if not full else ("absent" if not shutil.which("dcgmi") else "ran"),
             "seconds": round(time.monotonic() - start, 2)}

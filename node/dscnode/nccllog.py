@@ -17,7 +17,7 @@ CHANNEL = re.compile(r"NCCL INFO (?:Channel|Ring) \d+(?:/\d+)? : .* via NET/([A-
 
 def transport(lines):
     """{network, devices, channels: {"IB/GDRDMA"|"IB"|"Socket": count}, gdr} of one rank's lines
-    (the first init's: later communicators use the same). network: NCCL's "Using network" line,
+    (every communicator's: their channels are counted together). network: NCCL's "Using network" line,
     else (NCCL before 2.6 prints none) the kind its channels used; devices: those it bound for
     that network (an old NCCL binds sockets first, then InfiniBand)."""
     network, bound, channels = None, {}, {}
@@ -33,6 +33,20 @@ def transport(lines):
     network = network or (kinds[0] if len(kinds) == 1 else None) or next((k for k in ("IB", "Socket") if k in bound), None)
     return {"network": network, "devices": bound.get(network, []), "channels": channels,
             "gdr": all(k.endswith("/GDRDMA") for k in channels) if channels else None}
+
+
+def merge(transports):
+    """One node's ranks' transports as one: the network and devices the first that names them,
+    every rank's channels."""
+    out = {"network": None, "devices": [], "channels": {}, "gdr": None}
+    for t in transports:
+        out["network"] = out["network"] or t["network"]
+        out["devices"] = out["devices"] or (t["devices"] if t["network"] == out["network"] else [])
+        for k, n in t["channels"].items():
+            out["channels"][k] = out["channels"].get(k, 0) + n
+    if out["channels"]:
+        out["gdr"] = all(k.endswith("/GDRDMA") for k in out["channels"])
+    return out
 
 
 def summary(t):

@@ -5,6 +5,7 @@ import json
 import os
 import pwd
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -45,38 +46,55 @@ def run(cmd, timeout=60, env=None, user=None):
         return 124, "", f"timed out after {timeout} s"
 
 
-def run_bounded(cmd, limit, timeout=30):
+def run_bounded(cmd, limit, timeout=30, keep=None):
     """cmd's (exit code, stdout as text) where root runs a system tool whose output it parses
-    (nvidia-smi, the kernel log): at most `limit` bytes of stdout are kept and the rest is never
-    read into memory (the process is killed once it passes the limit: exit code None), and the
-    tool is killed after `timeout` seconds (124). stderr is discarded; 127 where there is no such tool."""
+    (nvidia-smi, the kernel log), never waiting past `timeout` seconds: a tool stuck in the driver
+    (a GPU off the bus) may ignore SIGKILL, so the output is read through select() against a
+    deadline, and a tool still running then is killed and left to a thread that reaps it (124).
+    At most `limit` bytes are kept: the first ones (the tool is killed once it writes more: None),
+    or with `keep` (a test on each line) the last `limit` bytes of the lines it keeps, the tool
+    read to its end. stderr is discarded; 127 where there is no such tool."""
     try:  # a session of its own: its children (a shell's) die with it and close the pipe
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                              start_new_session=True)
     except OSError:
         return 127, ""
-
-    def kill():
+    deadline, kept, size, rest, rc = time.monotonic() + timeout, [], 0, b"", 0
+    fd = p.stdout.fileno()
+    while True:
+        left = deadline - time.monotonic()
+        ready = select.select([fd], [], [], max(0.0, left))[0] if left > 0 else []
+        if not ready:
+            rc = 124
+            break
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        if keep is None:
+            kept.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                rc = None
+                break
+            continue
+        *lines, rest = (rest + chunk).split(b"\n")
+        rest = rest[-limit:]
+        for line in lines:
+            if keep(line):
+                kept.append(line + b"\n")
+                size += len(line) + 1
+        while size > limit and kept:
+            size -= len(kept.pop(0))
+    if rc in (124, None):
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except OSError:
             pass
-    timer = threading.Timer(timeout, kill)
-    timer.start()
-    try:
-        out = p.stdout.read(limit + 1)
-        if len(out) > limit:
-            kill()
-            rc = None
-        else:
-            rc = p.wait()
-        if timer.finished.is_set() and rc is not None and rc < 0:
-            rc = 124
-        return rc, out[:limit].decode(errors="replace")
-    finally:
-        timer.cancel()
-        p.stdout.close()
-        p.wait()
+        threading.Thread(target=p.wait, daemon=True).start()  # reaped when it can be, never waited on here
+    else:
+        rc = p.wait()
+    p.stdout.close()
+    return rc, b"".join(kept)[:limit].decode(errors="replace")
 
 
 def start_time(pid):

@@ -245,6 +245,8 @@ def gpu_gate(hosts, used_gpus):
     or no node uses a GPU. This node's own here, the others' through pdsh, one call for the nodes
     that use the same GPUs. As the training user: the kernel log's Xids are read where it may."""
     health = {}
+    if not hosts:
+        return []
     if used_gpus.get(hosts[0]):
         health[hosts[0]] = gpuhealth.report(used_gpus[hosts[0]])
     alike = {}

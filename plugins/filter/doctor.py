@@ -70,6 +70,7 @@ def doctor_report(args):
     stated = {n["name"]: n for n in (records[0] if records else [])}
     iperf = {k: v for one in sent or [] for k, v in (one or {}).items()}
     measured = {tuple(p["nodes"]): p for p in (allreduce or {}).get("pairs") or []}
+    nccl = (allreduce or {}).get("backend") == "nccl"
     pairs = []
     for one in rounds_by_name(names):
         for a, b in one:
@@ -78,7 +79,9 @@ def doctor_report(args):
             pairs.append({"a": a, "b": b, "iperf_gbps": ip.get("gbps"), "iperf_error": ip.get("error"),
                           "allreduce_gbps": ar["busbw_gbps"] if ar else None,
                           "allreduce_error": None if ar else (error or "not measured"),
-                          "promised": promised(stated.get(a) or {}, stated.get(b) or {})})
+                          "promised": dict(promised(stated.get(a) or {}, stated.get(b) or {}),
+                                           # gloo (CPU) is not held to the RDMA ports' rate
+                                           **({} if nccl else {"allreduce_gbps": None}))})
     median = {key: cluster_median(names, pairs, key) for key, _, _ in METRICS}
     for p in pairs:
         p["below_promise"] = [why for key, label, unit in METRICS

@@ -61,3 +61,12 @@ def test_preflight_warns_where_a_node_with_rdma_sent_over_sockets_or_without_gpu
     assert preflight.transport_rows({"transport": {"0": transport_of("socket-channels.log")}}, [node("n1")])[0]["status"] \
         == "PASS"
     assert preflight.transport_rows({"rows": []}, [node("n1")]) == []  # gloo: no NCCL, no row
+
+
+def test_a_nodes_ranks_merge_into_one_transport():
+    """A node with more GPUs than NICs: its rank 0's channels stay inside it, another rank's leave."""
+    inside = nccllog.transport(["n:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read"])
+    merged = nccllog.merge([dict(nccllog.transport(read("ib-bound.log")), channels={}), inside,
+                            nccllog.transport(read("ib-gdr-channels.log"))])
+    assert merged["network"] == "IB" and merged["channels"] == {"IB/GDRDMA": 2} and merged["gdr"] is True
+    assert nccllog.summary(merged).startswith("NET/IB over mlx5_10:1/IB") and merged["devices"][0] == "mlx5_10:1/IB"

@@ -49,11 +49,12 @@ NETWORK_FIX = ("check what the links negotiated and what carries them: `ethtool 
 
 def promised(node_a, node_b):
     """What a pair's link promises, from the plan's node records: {"iperf_gbps": the slower
-    training interface's stated speed in Gbit/s, where both state one up to TCP_JUDGED_MBPS;
+    training interface's stated speed in Gbit/s, where both state one and the slower is at most
+    TCP_JUDGED_MBPS;
     "allreduce_gbps": the slower node's fastest ACTIVE RDMA port in GB/s (an all-reduce's bus
     bandwidth), where both have one}; None where not stated."""
     speeds = [n.get("link_mbps") for n in (node_a, node_b)]
-    tcp = min(speeds) / 1000 if all(speeds) and max(speeds) <= TCP_JUDGED_MBPS else None
+    tcp = min(speeds) / 1000 if all(speeds) and min(speeds) <= TCP_JUDGED_MBPS else None
     rates = [max((p.get("rate_gbps") or 0 for p in n.get("rdma") or [] if p.get("state") == "ACTIVE"), default=0)
              for n in (node_a, node_b)]
     return {"iperf_gbps": tcp, "allreduce_gbps": min(rates) / 8 if all(rates) else None}

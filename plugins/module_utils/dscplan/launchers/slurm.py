@@ -115,6 +115,8 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
         f"{plan.master_port_first} {plan.master_port_last}) || exit 3",
         f"  srun --nodes={plan.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
         f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\" \"$attempt\" && exit 0",
+        # 6: a node's GPU gate refused the restart (its task recorded why): no further attempt
+        "  [ $? -ne 6 ] || exit 6",
         f"  [ \"$attempt\" -lt {most} ] || exit 1",
         "  attempt=$((attempt + 1))",
         f"  wait_s=$(( {backoff} << (attempt - 1) )); [ \"$wait_s\" -le 600 ] || wait_s=600",
