@@ -31,8 +31,12 @@ def transport(lines):
             channels[key] = channels.get(key, 0) + 1
     kinds = sorted({k.split("/")[0] for k in channels})
     network = network or (kinds[0] if len(kinds) == 1 else None) or next((k for k in ("IB", "Socket") if k in bound), None)
-    return {"network": network, "devices": bound.get(network, []), "channels": channels,
-            "gdr": all(k.endswith("/GDRDMA") for k in channels) if channels else None}
+    return {"network": network, "devices": bound.get(network, []), "channels": channels, "gdr": _gdr(channels)}
+
+
+def _gdr(channels):
+    """Whether every channel between nodes read GPU memory directly (GDRDMA); None without one."""
+    return all(k.endswith("/GDRDMA") for k in channels) if channels else None
 
 
 def merge(transports):
@@ -44,9 +48,7 @@ def merge(transports):
         out["devices"] = out["devices"] or (t["devices"] if t["network"] == out["network"] else [])
         for k, n in t["channels"].items():
             out["channels"][k] = out["channels"].get(k, 0) + n
-    if out["channels"]:
-        out["gdr"] = all(k.endswith("/GDRDMA") for k in out["channels"])
-    return out
+    return dict(out, gdr=_gdr(out["channels"]))
 
 
 def summary(t):

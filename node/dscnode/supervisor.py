@@ -263,6 +263,11 @@ def gpu_gate(hosts, used_gpus):
             if f["status"] == "FAIL"]
 
 
+def gate_cause(refused):
+    """The run's cause where the GPU gate refused a restart (gpu_gate's findings), as status shows it."""
+    return {"kind": "gpu_health", "node": refused[0].split(" ")[0], "findings": refused}
+
+
 def with_resume(cmd, resume_args):
     """The command of a restart: it resumes from the latest complete checkpoint (resume_args
     appended, unless it ends with them already: a resumed run's own command)."""
@@ -325,7 +330,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
             break
         refused = gpu_gate(list(hosts), used_gpus or {})
         if refused:  # no rank starts on a node whose GPU failed the gate
-            cause = {"kind": "gpu_health", "node": refused[0].split(" ")[0], "findings": refused}
+            cause = gate_cause(refused)
             print(f"[dsc_node] {describe(cause)}", flush=True)
             best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
                 cause, message=describe(cause), exit_code=code, teardown=True, restarts=restarts)) + "\n")
