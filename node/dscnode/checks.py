@@ -5,7 +5,6 @@ reached); their arguments come as JSON in $DSC_PREFLIGHT, and the control node j
 (plugins/filter/preflight.py). Also the free master port that start takes."""
 import json
 import os
-import pwd
 import shutil
 import socket
 import subprocess
@@ -13,7 +12,7 @@ import time
 
 from dscnode import INSTALLED_PATH, gpuhealth
 from dscnode.probe import firewalls, interfaces, root_path_report
-from dscnode.procs import active, jit_locks_as, run
+from dscnode.procs import active, jit_locks_as, run, user_name
 
 
 def port_free(port):
@@ -275,13 +274,6 @@ def listeners(port, net="/proc/net"):
     return out
 
 
-def _user_name(uid):
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
 def _sockets_of_session(sid):
     """The socket inodes the processes of session `sid` hold open (this user's own)."""
     held = set()
@@ -309,7 +301,7 @@ def iperf_server(a):
 
     def taken(why):
         held = listeners(port)
-        owners = ", ".join(sorted({_user_name(h["uid"]) for h in held})) or "nobody now"
+        owners = ", ".join(sorted({user_name(h["uid"]) for h in held})) or "nobody now"
         return {"listening": False, "error": f"port {port} on {socket.gethostname()}: {why}; it is held "
                                              f"by a process of {owners}. Fix: end that process, or set "
                                              f"preflight_iperf_port to a free port"}

@@ -6,13 +6,12 @@ finding names its GPU and a fix; FAIL refuses the node before any rank starts, W
 Read as root, each tool's output bounded (procs.run_bounded) and under a timeout: a GPU that fell
 off the bus can make nvidia-smi hang, and DCGM's longer levels hang in reported cases."""
 import os
-import pwd
 import re
 import shutil
 import time
 import xml.etree.ElementTree as ET
 
-from dscnode.procs import run_bounded
+from dscnode.procs import run_bounded, user_name
 
 XML_LIMIT = 8 << 20  # nvidia-smi -q -x: ~40 KB a GPU
 NVRM_LIMIT = 1 << 20  # the kernel log's NVIDIA driver lines kept, the newest
@@ -145,8 +144,8 @@ def nvlinks(text):
 
 def _owner(pid):
     try:
-        return pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
-    except (OSError, KeyError):
+        return user_name(os.stat(f"/proc/{pid}").st_uid)
+    except OSError:
         return "?"
 
 

@@ -17,6 +17,14 @@ from dscnode import program
 from dscnode.rundir import RunDir, read_text, write_atomic
 
 
+def user_name(uid):
+    """The user name of a uid, or the uid itself where no user has it."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def become(user):
     """A preexec function that drops root to `user` (None when no change is needed)."""
     if not user or os.geteuid() != 0:
