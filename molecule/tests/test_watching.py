@@ -181,8 +181,8 @@ def test_plot_draws_several_runs_in_one_picture(followed, cluster):
 
 
 SLOW_RUN = "w-slow"
-# Windows of 10 steps (the default): a mark after 3 in a row, cleared at the first window the rank
-# has caught up in. Steps unpaced, so that each rank's own work is its CPU's, and longer than the
+# Windows of 10 steps (the default): a mark after 3 in a row spanning 20 s, cleared at the first
+# window the rank has caught up in. Steps unpaced, so that each rank's own work is its CPU's, and longer than the
 # tiny model's (sequences of 256), so that a step is more than this busy machine's scheduling.
 SLOW_TRAIN = dict(TINY, **dict(UNTIL_STOPPED, min_step_s=0), seq_len=256, save_every=100000)
 

@@ -8,8 +8,8 @@ In synchronous training every rank's step lasts as long as the slowest rank's: t
 each collective first and wait in it for the slowest, which waits for nobody. So, per window, a
 rank is slow when its compute is SLOW_RATIO times the median of the others' and the others spend
 WAIT_SHARE of each step or more in collectives beyond its own time in them (their wait for it: a
-transfer takes as long for each), in CONSISTENT windows in a row; the mark clears at the first
-window where it is not so. A run whose ranks are alike is never marked (the ratio is about 1),
+transfer takes as long for each), in CONSISTENT windows in a row that span MIN_SPAN_S or more; the
+mark clears at the first window where it is not so. A run whose ranks are alike is never marked (the ratio is about 1),
 nor one bound by its network (every rank waits alike): a slow link or NIC is not named here, it
 is doctor.yml's to measure. The others are the ranks of the other nodes, so that a node slowed
 as a whole stands out against them.
@@ -36,6 +36,10 @@ import statistics
 SLOW_RATIO = 1.5
 WAIT_SHARE = 0.2
 CONSISTENT = 3  # windows in a row: one or two noisy windows (a rank descheduled a while) name nobody
+# ... and the seconds from the first of them to the last: a run of short steps fills 3 windows in a
+# second or two, and a rank held up that long (a checkpoint written, a descheduling, the page cache
+# flushed) is not the slow rank that costs a run its hours.
+MIN_SPAN_S = 20.0
 FLOOR_SHARE = 0.01  # the least compute a ratio is taken against, as a share of the step
 
 
@@ -78,18 +82,45 @@ def judge(window):
             "wait_share": round(wait, 3), "compute_s": round(slowest["compute_s"], 4), "median_s": round(typical, 4)}
 
 
-def verdict(windows):
-    """The mark over the last windows (oldest first): when the last CONSISTENT windows each name a
-    rank of the same node (of a node slowed as a whole, which of its ranks is slowest varies), the
-    latest window's rank and figures, its step, and since_step, the step of the first of those
-    windows; None otherwise (never marked, or cleared by the last window)."""
-    recent = list(windows or [])[-CONSISTENT:]
-    if len(recent) < CONSISTENT:
-        return None
-    judged = [judge(w) for w in recent]
-    if any(j is None for j in judged) or len({j["node"] for j in judged}) != 1:
-        return None
-    return dict(judged[-1], step=recent[-1].get("step"), since_step=recent[0].get("step"), windows=CONSISTENT)
+class Streak:
+    """The windows in a row, up to the last one added, that each name a rank of the same node (of a
+    node slowed as a whole, which of its ranks is slowest varies): their first window's step and
+    time, the last window's, its judgement, how many. Fed one window at a time, oldest first."""
+
+    def __init__(self):
+        self.first, self.last, self.count = None, None, 0
+
+    def add(self, window):
+        slow = judge(window)
+        here = {"step": window.get("step"), "time": window.get("time"), "slow": slow}
+        if not slow:
+            self.first, self.count = None, 0
+        elif self.count and slow["node"] == self.last["slow"]["node"]:
+            self.count += 1
+        else:
+            self.first, self.count = here, 1
+        self.last = here
+
+    def mark(self, min_span_s=MIN_SPAN_S):
+        """The mark: when the streak is CONSISTENT windows or more and spans min_span_s seconds from
+        its first window's time to its last's, the last window's rank and figures, its step, and
+        since_step, the step of the streak's first window; None otherwise (never marked, or cleared
+        by the last window)."""
+        if self.count < CONSISTENT:
+            return None
+        span = (self.last["time"] or 0) - (self.first["time"] or 0)
+        if span < min_span_s:
+            return None
+        return dict(self.last["slow"], step=self.last["step"], since_step=self.first["step"],
+                    windows=self.count, span_s=round(span, 1))
+
+
+def verdict(windows, min_span_s=MIN_SPAN_S):
+    """The mark over these windows (oldest first), as Streak.mark says it."""
+    streak = Streak()
+    for w in windows or []:
+        streak.add(w)
+    return streak.mark(min_span_s)
 
 
 def cleared(mark, window):

@@ -70,13 +70,14 @@ class SlowRank:
     a line in the log, cleared (the file removed, a line said) when it catches up, or when its
     ranks no longer send figures (said as that, not as caught up)."""
 
-    # The bytes of ranks.jsonl read for its last CONSISTENT windows: a rank's entry is ~120 bytes,
-    # so 3 lines of ~10,000 ranks.
+    # The bytes of ranks.jsonl read for the windows written since the last check (every 2 s): a
+    # rank's entry is ~120 bytes, so 3 lines of ~10,000 ranks, hundreds of a few nodes'.
     TAIL = 4 << 20
+    NEW = 256  # windows read at most per check
 
     def __init__(self, run):
         self.run, self.size, self.mark = run, size_of(run / RunDir.RANKS), None
-        self.start = self.size
+        self.start, self.streak, self.step = self.size, stragglers.Streak(), None
         (run / RunDir.SLOW).unlink(missing_ok=True)
 
     def check(self):
@@ -84,17 +85,19 @@ class SlowRank:
         if size == self.size:
             return self.mark
         self.size = size
-        windows = last_lines(self.run / RunDir.RANKS, stragglers.CONSISTENT, self.TAIL, self.start)
+        windows = [w for w in last_lines(self.run / RunDir.RANKS, self.NEW, self.TAIL, self.start)
+                   if self.step is None or (w.get("step") or 0) > self.step]
         if not windows:
             return self.mark
-        mark = stragglers.verdict(windows)
+        for w in windows:
+            self.streak.add(w)
+        self.step = windows[-1].get("step") or 0
+        mark = self.streak.mark()
         if self.mark and (not mark or mark["node"] != self.mark["node"]):
             print(f"[dsc_node] slow rank {self.mark['rank']} on {self.mark['node']} "
                   f"{stragglers.cleared(self.mark, windows[-1])}", flush=True)
         if mark:
-            if self.mark and mark["node"] == self.mark["node"]:
-                mark["since_step"] = self.mark["since_step"]  # marked since its first windows, not the last
-            else:
+            if not (self.mark and mark["node"] == self.mark["node"]):
                 print(f"[dsc_node] slow rank: {stragglers.said(mark)}", flush=True)
             best_effort(write_atomic, self.run / RunDir.SLOW,
                         json.dumps(dict(mark, said=stragglers.said(mark), short=stragglers.short(mark))) + "\n")

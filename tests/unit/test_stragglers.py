@@ -16,10 +16,10 @@ from plugins.callback import dsc_progress
 from plugins.filter import cluster
 
 
-def window(step, compute, step_s=0.5):
+def window(step, compute, step_s=0.5, time=None):
     """A window as rank 0 writes it: each rank's step time and its time in collectives (the rest of
-    the step, as the others wait for the slowest)."""
-    return {"step": step, "ranks": [{"rank": r, "node": f"node{r + 1}", "step_s": step_s, "comm_s": step_s - c,
+    the step, as the others wait for the slowest); written at `time`, by default a second a step."""
+    return {"step": step, "time": step if time is None else time, "ranks": [{"rank": r, "node": f"node{r + 1}", "step_s": step_s, "comm_s": step_s - c,
                                      "compute_s": c} for r, c in enumerate(compute)]}
 
 
@@ -43,6 +43,18 @@ def test_alike_ranks_one_window_or_another_rank_each_time_are_not_marked():
     assert stragglers.verdict([slow, slow]) is None  # two windows are not consistent enough
     assert stragglers.verdict([slow, window(20, [0.4, 0.1]), slow]) is None  # not the same rank
     assert stragglers.verdict([slow, slow, window(30, [0.1, 0.1])]) is None  # caught up: cleared
+
+
+def test_windows_in_a_row_name_a_rank_only_once_they_span_twenty_seconds():
+    """A run of short steps fills 3 windows in a second: a rank held up that long (a checkpoint, a
+    descheduling) is not named; held up 20 s, it is, since the first of its windows."""
+    quick = [window(step, [0.1, 0.4], time=100 + step / 10) for step in range(10, 200, 10)]  # 10 steps a second
+    assert stragglers.verdict(quick[:3]) is None and stragglers.verdict(quick) is None  # 1.8 s in all
+    held = [window(step, [0.1, 0.4], time=100 + step / 10) for step in range(10, 220, 10)]
+    mark = stragglers.verdict(held)
+    assert (mark["since_step"], mark["step"], mark["windows"], mark["span_s"]) == (10, 210, 21, 20.0)
+    # a window that names nobody starts the count again
+    assert stragglers.verdict(held[:10] + [window(110, [0.1, 0.1], time=111)] + held[11:]) is None
 
 
 def test_the_supervisor_marks_the_slow_rank_and_clears_it_when_it_catches_up(tmp_path, capsys):
@@ -88,7 +100,7 @@ def test_a_node_slowed_as_a_whole_is_marked_whichever_of_its_ranks_is_slowest():
     slowest changes from window to window, and the mark stays on node2. Against its own ranks
     alone neither would stand out: the others are the other node's ranks."""
     def two_by_two(step, computes):
-        return {"step": step, "ranks": [{"rank": r, "node": f"node{r // 2 + 1}", "step_s": 0.5,
+        return {"step": step, "time": step, "ranks": [{"rank": r, "node": f"node{r // 2 + 1}", "step_s": 0.5,
                                          "comm_s": 0.5 - c, "compute_s": c} for r, c in enumerate(computes)]}
     windows = [two_by_two(10, [0.1, 0.1, 0.40, 0.38]), two_by_two(20, [0.1, 0.1, 0.37, 0.41]),
                two_by_two(30, [0.1, 0.1, 0.42, 0.39])]
