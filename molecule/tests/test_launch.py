@@ -168,16 +168,29 @@ def _stop_and_resume(cluster):
     assert none_active.returncode != 0 and "No run is active on node1" in none_active.output \
         and "t-long" in none_active.output, none_active.output[-2000:]
     _a_stale_op_build_lock_fails_preflight_until_stop_removes_it(cluster)
-    more = ["-e", "run_id=t-long", "-e", json.dumps({"dsc_entry_args": ["--set", f"steps={saved + 4}"]})]
-    res = cluster.playbook("resume.yml", "-e", "follow=true", "-e", "preflight=false", *more)
+    res = cluster.playbook("resume.yml", "-e", "follow=true", "-e", "preflight=false", "-e", "run_id=t-long",
+                           "-e", f"steps={saved + 4}")
     assert res.returncode == 0, res.output[-4000:]
-    finished = cluster.playbook("resume.yml", *more)
-    assert finished.returncode != 0 and "run_id 't-long' finished on node1" in finished.output \
-        and "force=true" in finished.output
+    # each node's state is the resumed attempt's: the worker's ranks never train under the last
+    # attempt's end (the exit code of the stop, written to every node)
+    polls = [x for x in res.output.splitlines() if x.startswith("run t-long: running, ") and " nodes " in x]
+    assert polls and not [x for x in polls if ":stopped" in x or ":failed" in x], polls
     summary = json.loads(cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/summary.json").stdout)
     assert summary["start_step"] == saved and summary["steps"] == saved + 4
     log = cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/launcher.log").stdout
     assert "resume: loaded" in log
+    finished = cluster.playbook("resume.yml", "-e", "run_id=t-long")
+    assert finished.returncode != 0 and "run_id 't-long' finished on node1" in finished.output \
+        and "-e steps=N to train it on" in finished.output, finished.output[-2000:]
+    # trained on to a new end, its own configuration kept, from the checkpoint it ended with
+    further = cluster.playbook("resume.yml", "-e", "follow=true", "-e", "preflight=false", "-e", "run_id=t-long",
+                               "-e", f"steps={saved + 8}")
+    assert further.returncode == 0 and f"Run t-long finished at step {saved + 8}." in further.output, further.output[-4000:]
+    summary = json.loads(cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/summary.json").stdout)
+    assert summary["start_step"] == saved + 4 and summary["steps"] == saved + 8, summary
+    for n in cluster.names:  # the end every later resume or restart of the run starts from
+        kept = json.loads(cluster.exec(n, "cat /opt/dscluster/runs/t-long/train.json").stdout)
+        assert kept == dict(TINY, **dict(UNTIL_STOPPED, steps=saved + 8), save_every=10), (n, kept)
 
 
 def test_a_users_own_ds_config_is_used_and_validated_by_deepspeed(provisioned, cluster, tmp_path):

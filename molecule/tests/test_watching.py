@@ -126,6 +126,8 @@ def test_a_stopped_rank_is_marked_stalled_named_with_its_stack_and_clears_when_i
         # through pdsh); status shows where they are, the stopped rank first.
         shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
         assert f"run {run_id}: stalled" in shown.output and "where each rank is, at the stall:" in shown.output
+        for n in cluster.names:  # the worker, whose ranks live, is stalled with the run
+            assert f"{n}: stalled, ranks alive 1" in shown.output, shown.output[-3000:]
         lines = shown.output.split("where each rank is, at the stall:")[1].splitlines()
         assert odd in lines[1], lines[:4]
         # On demand: read again now, saved in the run directory on each node.

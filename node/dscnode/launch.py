@@ -43,7 +43,11 @@ def write_run(run_dir, spec, resume=False):
             if bad:
                 return {"ok": False, "error": f"refused code archive entries {bad[:3]}"}
             tar.extractall(dest, members=members)
-    (run / RunDir.STOPPED).unlink(missing_ok=True)
+    # A resume is a new attempt on every node: the last one's ranks and end (stopped, its exit
+    # code, its failure) are no longer this node's state. The master's supervisor clears its own
+    # at its start; a worker has none, and its ranks would train under a "failed" from before.
+    for name in (RunDir.STOPPED, RunDir.EXIT, RunDir.FAILURE, RunDir.RANKS_STARTED):
+        (run / name).unlink(missing_ok=True)
     return {"ok": True, "run_dir": run_dir}
 
 

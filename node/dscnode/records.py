@@ -376,6 +376,15 @@ def run_files(run_dir):
     return sorted(out)
 
 
+def in_attempt(st, master_state):
+    """A node's status as the run's current attempt has it: a worker has no supervisor of its own
+    to mark a stall (the master's marks it), so while the master's status says stalled, a worker
+    whose ranks run is stalled with it."""
+    if master_state == "stalled" and (st or {}).get("state") == "running":
+        return dict(st, state="stalled")
+    return st
+
+
 def node_states(run_dir, run_id, hosts, own):
     """{node: {state, ranks_alive}} for follow's line: this node's own (`own`, its status), the
     others' through pdsh (the same way the launcher reaches them); a node that does not answer is
@@ -396,4 +405,4 @@ def node_states(run_dir, run_id, hosts, own):
             states[name] = of(json.loads(text))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
-    return {h: states.get(h, {"state": "unreachable", "ranks_alive": 0}) for h in hosts}
+    return {h: in_attempt(states.get(h, {"state": "unreachable", "ranks_alive": 0}), own["state"]) for h in hosts}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 
+from dscnode.records import in_attempt
 from dscnode.stacks import summary as stack_summary
 
 
@@ -42,8 +43,10 @@ def version_diff(hostvars, names):
     return diffs
 
 
-def status_row(st):
-    st = st or {}
+def status_row(st, master_state=None):
+    """One node's row of status.yml, its state as the current attempt has it (master_state: the
+    master's, which marks a stall for every node)."""
+    st = in_attempt(st or {}, master_state)
     if st.get("state") == "unreachable":
         return f"{st.get('host', '?')}: unreachable (node down or sshd stopped)"
     last = st.get("last") or {}

@@ -44,6 +44,20 @@ def test_write_run_writes_files_and_code_then_refuses_a_used_dir(tmp_path):
     assert helper("write-run", run, "--resume", stdin=json.dumps({"files": {}})).returncode == 0
 
 
+def test_a_resume_clears_the_last_attempts_end_on_every_node(tmp_path):
+    """A worker of a stopped or failed run keeps the exit code the master's supervisor wrote to
+    it; its ranks would train under that "failed" for the whole resumed run. The resume's write
+    clears it, as the master's supervisor clears its own."""
+    run = tmp_path / "r1"
+    run.mkdir()
+    for name, text in (("exit_code", "1\n"), ("failure.json", "{}"), ("ranks.started", "")):
+        (run / name).write_text(text)
+    assert records.status(run, "r1")["state"] == "failed"
+    assert helper("write-run", run, "--resume", stdin=json.dumps({"files": {}})).returncode == 0
+    assert sorted(p.name for p in run.iterdir()) == ["code"]
+    assert records.status(run, "r1")["state"] == "not started"  # until its ranks start again
+
+
 @pytest.mark.parametrize("name", ["../evil.py", "/tmp/evil.py"])
 def test_write_run_refuses_code_that_leaves_its_folder(tmp_path, name):
     spec = {"files": {}, "code": archive({name: "x"}), "code_dest": str(tmp_path / "r" / "code")}

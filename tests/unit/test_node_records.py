@@ -230,6 +230,16 @@ def test_status_rows_show_the_peak_against_the_prediction_and_each_step_down():
     assert filters.status_row(dict(st, memory=None)).endswith("memory - GiB")
 
 
+def test_a_worker_of_a_stalled_run_is_stalled_with_it():
+    """Only the master's supervisor marks a stall: a worker whose ranks run reads as stalled while
+    the master does, in status.yml's rows and follow's node states alike."""
+    from plugins.filter import cluster as filters  # noqa: PLC0415 - the control node's filters, for this test alone
+    worker = {"host": "node2", "state": "running", "ranks_alive": 1, "last": {}}
+    assert filters.status_row(worker, "stalled").startswith("node2: stalled, ranks alive 1")
+    assert filters.status_row(worker, "running").startswith("node2: running, ")
+    assert records.in_attempt(dict(worker, state="failed"), "stalled")["state"] == "failed"
+
+
 @pytest.mark.parametrize("action", ["status", "log"])
 def test_a_followed_polls_wait_returns_when_the_run_ends_and_not_before(tmp_path, action):
     """--wait S: up to S seconds while the run's supervisor lives (running all through: after S),

@@ -193,6 +193,29 @@ def test_resume_is_refused_for_a_running_run_and_for_a_finished_one_unless_force
     assert errors == [] and p["run"]["id"] == "older"
 
 
+def test_steps_trains_a_finished_run_on_to_a_new_end_with_its_own_configuration():
+    """resume.yml -e steps=N: the default job's train.json and launch.json written again with the
+    new end, the rest of its configuration kept; no force needed. A launch, a script's entry and a
+    step that is no whole number are refused, naming the fix."""
+    own = {"size": "tiny", "steps": 40, "lr": 0.003}
+    done = [{"id": "r1", "mtime": 1, "started": True, "active": False, "finished": True,
+             "launch": {"preset": "zero2", "dsc_train_config": own, "dsc_entry_module": "train.run"}}]
+    p, errors = resume_with_e({"steps": 60}, runs=done)
+    assert errors == [], errors
+    files = p["run"]["resume_files"]
+    assert json.loads(files["train.json"]) == dict(own, steps=60)
+    assert json.loads(files["launch.json"])["dsc_train_config"] == dict(own, steps=60)
+    assert "hostfile" not in files  # the run's other files stay as they are
+    script = [dict(done[0], launch=dict(done[0]["launch"], dsc_entry_module="", dsc_entry_script="cifar10_deepspeed.py",
+                                        dsc_code_dir=str(ROOT / "tests/fixtures/scripts/cifar")))]
+    _, errors = resume_with_e({"steps": 60}, runs=script)
+    assert any(e.startswith("steps=60: the run's entry is cifar10_deepspeed.py, whose end is its own argument") for e in errors), errors
+    _, errors = plan(options={"steps": 60}, full_run=True)
+    assert any(e.startswith("steps=60 given to a launch: it moves a resumed run's end.") for e in errors), errors
+    _, errors = resume_with_e({"steps": -5}, runs=done)
+    assert any(e.startswith("steps is -5. Fix:") for e in errors), errors
+
+
 RESUMABLE = [{"id": "r1", "mtime": 1, "started": True, "active": False,
               "launch": {"preset": "zero3", "dsc_micro_batch": 4, "dsc_entry_args": ["--epochs", "2"]}}]
 

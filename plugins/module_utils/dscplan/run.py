@@ -245,10 +245,11 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, queues, problem
         problems.add(f"run_id {run_id!r} is still running on {plan.master}: resuming it would "
                      f"start a second copy. Fix: follow it (status.yml -e run_id={run_id} "
                      f"-e follow=true), or stop it first (stop.yml -e run_id={run_id}).")
-    elif as_bool(opt["resume"]) and (this and this.finished) and not as_bool(opt["force"]):
+    elif as_bool(opt["resume"]) and (this and this.finished) and not (as_bool(opt["force"]) or opt["steps"]):
         problems.add(f"run_id {run_id!r} finished on {plan.master}; resuming it would train "
-                     f"past its end and rewrite its summary. Fix: add -e force=true, with more "
-                     f"steps than it ran, or launch a new run.")
+                     f"past its end and rewrite its summary. Fix: -e steps=N to train it on to "
+                     f"step N (the default job), -e force=true with your script's own new end in "
+                     f"dsc_entry_args, or launch a new run.")
     elif not as_bool(opt["resume"]) and (this and this.started):
         problems.add(f"run_id {run_id!r}: {plan.run_root}/{run_id} already holds a run (its "
                      f"metrics and checkpoints would mix with a new run's). Fix: resume it "
@@ -323,6 +324,29 @@ def _commands(plan, launcher, run_dir, entry, config_arg, resume):
         + (["--config", f"{run_dir}/{RunDir.TRAIN_CONFIG}"] if train_run else []) \
         + entry["args"] + (entry["resume_args"] if resume else [])
     return launcher.commands(plan.nodes, plan.master, runner, program)
+
+
+def _new_end(opt, entry, problems):
+    """resume's steps=N for the default job: the run's train config with its end moved to N (the
+    rest of its configuration kept), or None where steps is not given (0). Refused on a launch
+    (dsc_train_config's steps is the end there) and for a script, whose end is its own argument."""
+    steps = opt["steps"]
+    if not steps:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        problems.add(f"steps is {steps!r}. Fix: the step to train the run on to, a whole number above 0.")
+    elif not as_bool(opt["resume"]):
+        problems.add(f"steps={steps} given to a launch: it moves a resumed run's end. Fix: "
+                     f"dsc_train_config's steps for a new run (-e '{{\"dsc_train_config\": "
+                     f"{{\"steps\": {steps}}}}}'), or resume.yml -e steps={steps}.")
+    elif entry["script"] or entry["module"] != "train.run":
+        problems.add(f"steps={steps}: the run's entry is {entry['script'] or entry['module']}, whose end "
+                     f"is its own argument (the toolkit moves only the default job's). Fix: give it in "
+                     f"dsc_entry_args (e.g. ['--max_steps', '{steps}'] for HF's Trainer) with -e force=true "
+                     f"where the run finished.")
+    else:
+        return dict(opt["dsc_train_config"] or {}, steps=steps)
+    return None
 
 
 def _check_restarts(opt, launcher, problems):
@@ -414,6 +438,9 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
     opt = _run_options(options, defaults, runs_seen, problems)
     resume = as_bool(opt["resume"])
     entry = _entry(opt, paths, problems)
+    new_end = _new_end(opt, entry, problems)
+    if new_end:  # written again into the run (train.json, launch.json) by this resume
+        opt["dsc_train_config"] = new_end
     preset, options, auto, ladder, model = _preset(plan, s, opt, options, paths, entry, resume, problems)
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
     if resume:
@@ -475,8 +502,9 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
         code_dest=f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
         workdir=workdir, env=env, secrets_file=secrets_path(plan.run_root, run_id),
         commands=commands, start_args=start_args, code_archive=archive, files=files,
-        # A resume keeps the run's files, but the launch mode's: its commands carry the resume.
-        resume_files=launch_files,
+        # A resume keeps the run's files, but the launch mode's (its commands carry the resume)
+        # and, with steps=N, those that hold the run's end, for this attempt and every later one.
+        resume_files=dict(launch_files, **({k: files[k] for k in (RunDir.TRAIN_CONFIG, RunDir.LAUNCH)} if new_end else {})),
         # the run files the roles name: the ranks' environment file (DeepSpeed's runner reads
         # DS_ENV_FILE), the launcher's log (the launch message) and train.allreduce's result
         # (preflight.yml reads it on the master)

@@ -57,7 +57,7 @@ RUN_OPTIONS = (
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
     "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_resume_args",
     "dsc_launcher_args", "dsc_stall_timeout_s", "dsc_stall_fail", "plot_runs",
-    "dsc_tensorboard", "dsc_model_shape", "dsc_auto_memory_gib",
+    "dsc_tensorboard", "dsc_model_shape", "dsc_auto_memory_gib", "steps",
 )
 
 # What the playbooks tell the plan role (declared in its spec beside the settings, handed to the
