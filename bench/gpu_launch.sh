@@ -10,10 +10,7 @@ set -euo pipefail
 wheels=$(realpath "$1"); out=$2; reps=${3:-2}
 . "$(dirname "$0")/gpu_ansible.sh"
 gpu_ansible "$wheels" "$wheels/collections.tgz" || exit 1
-printf '#!/bin/sh\nPYTHONPATH=/tmp/anssite exec %s /tmp/anssite/bin/ansible-playbook "$@"\n' "$py" > /tmp/ansible-playbook
-chmod +x /tmp/ansible-playbook
-export DSC_ANSIBLE_PLAYBOOK=/tmp/ansible-playbook
 if [ "$out" = clm ]; then
-  exec $py bench/gpu_clm.py --out "$3" "${@:4}"
+  PYTHONPATH=$repo_path exec $py bench/gpu_clm.py --out "$3" "${@:4}"
 fi
-$py bench/launch.py --where gpu --reps "$reps" --out "$out"
+PYTHONPATH=$repo_path $py bench/launch.py --where gpu --reps "$reps" --out "$out"

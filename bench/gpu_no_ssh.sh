@@ -25,9 +25,9 @@ done
 
 # status, stop (nothing left on either node), resume to the end: a 125M GPT that saves often.
 ctl=$out/control; mkdir -p "$ctl"
-py=/opt/torch/.venv/bin/python3
-ap() { PYTHONPATH=/tmp/anssite ANSIBLE_COLLECTIONS_PATH=/tmp/anssite/collections DSC_WHEELHOUSE=$wheels \
-       $py /tmp/anssite/bin/ansible-playbook -i bench/inventory/gpu-two-nodes "$@"; }
+. "$here/gpu_ansible.sh"
+gpu_ansible "$wheels" "$coll" || exit 1
+ap() { /tmp/ansible-playbook -i bench/inventory/gpu-two-nodes "$@"; }
 id=ctl-$(date +%s) metrics=/srv/dsc-nodes/node1/runs/$id/metrics.jsonl
 ap launch.yml -e preset=zero2 -e run_id=$id \
   -e '{"dsc_train_config": {"size": "125m", "seq_len": 1024, "steps": 400, "save_every": 50}}' \

@@ -12,13 +12,12 @@
 set -uo pipefail
 wheels=$(realpath "$1"); presets=${2:-zero2 zero3}; repeats=${3:-2}; steps=${4:-40}; gpus=${GPUS:-1}
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
-py=/opt/torch/.venv/bin/python3
-root=$(cd "$(dirname "$0")/.." && pwd)
+. "$(dirname "$0")/gpu_ansible.sh"  # py, repo_path (no Ansible here)
+root=$repo
 $py -m pip install -q --no-index --no-deps --target /tmp/nodesite "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/nodesite:$root/node:$root PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 \
-  TORCH_EXTENSIONS_DIR=/tmp/torch_extensions NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=/tmp/nodesite:$repo_path TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 for p in $presets; do
-  PYTHONPATH=$PYTHONPATH:$root/plugins/module_utils $py - "$root/templates" "$p" "$gpus" > "/tmp/ds_$p.json" <<'PY' || exit 1
+  $py - "$root/templates" "$p" "$gpus" > "/tmp/ds_$p.json" <<'PY' || exit 1
 import json, sys
 from dscplan.deepspeed_config import ds_config
 print(json.dumps(ds_config(sys.argv[1], sys.argv[2], "cuda", ["9.0"],
