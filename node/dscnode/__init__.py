@@ -18,6 +18,12 @@ warm-up (warm.py).
     checks.py      preflight's node checks, the ssh mesh, the master port held and reached
     launch.py      write-run and start (under the run root's lock)
     supervisor.py  the detached supervisor: watch, tear down, restart, step down, record the exit
+    stacks.py      where each rank is (py-spy), read at a stall or on demand, and their summary
+    ncclras.py     NCCL's RAS asked at a stall on GPU nodes: the rank whose collectives are behind
+    gpuhealth.py   the GPU gate: a node's GPUs judged before a launch or a restart
+    nccllog.py     which transport NCCL chose, from its INFO lines (preflight's all-reduce)
+    pairs.py       every pair of nodes once, in rounds (doctor.yml)
+    safe.py        what may reach a command line on the nodes
     cli.py         the command line: one sub-command per action, each printing one JSON object
     build.py       the built file (on the control node; not part of it)
 """

@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from dscnode import ncclras
 from dscnode.procs import Blind, on_others, procs, ranks_of
 from dscnode.rundir import RunDir, read_json, write_atomic
 
@@ -185,17 +186,21 @@ def advice(ranks, main):
     return "fix: compare the ranks' stacks in stacks/ in the run directory"
 
 
-def at_stall(run_dir, run_id, hosts, py_spy):
-    """When the run stalls (the supervisor's Stall): every node's stacks, this one's and the run's
-    other nodes' through pdsh (named as the hostfile names them), saved on each node; their
-    summary printed to the launcher log and kept in stalled.json, which status shows."""
-    reports = [collect(run_dir, run_id, py_spy, node=hosts[0] if hosts else None)]
-    for host, text in on_others(hosts, "stacks", run_dir, run_id, "--py-spy", py_spy).items():
-        try:
-            reports.append(dict(json.loads(text), node=host))
-        except ValueError:
-            reports.append({"node": host, "ranks": [], "error": text.strip()[:300]})
-    lines = summary(reports)
+def at_stall(run_dir, run_id, hosts, py_spy, ras=False):
+    """When the run stalls (the supervisor's Stall): on GPU nodes (`ras`), NCCL's RAS asked for the
+    rank whose collectives are behind (dscnode.ncclras; said as such where it does not answer);
+    with `py_spy`, every node's stacks, this one's and the run's other nodes' through pdsh (named
+    as the hostfile names them), saved on each node. Their summary, RAS's lines first, printed to
+    the launcher log and kept in stalled.json, which status shows."""
+    lines = ras_lines() if ras else []
+    if py_spy:
+        reports = [collect(run_dir, run_id, py_spy, node=hosts[0] if hosts else None)]
+        for host, text in on_others(hosts, "stacks", run_dir, run_id, "--py-spy", py_spy).items():
+            try:
+                reports.append(dict(json.loads(text), node=host))
+            except ValueError:
+                reports.append({"node": host, "ranks": [], "error": text.strip()[:300]})
+        lines += summary(reports)
     print("[dsc_node] where each rank is (stacks/ in the run directory on each node):\n"
           + "\n".join(f"[dsc_node]   {line}" for line in lines), flush=True)
     stalled = RunDir(run_dir) / RunDir.STALLED
@@ -203,3 +208,17 @@ def at_stall(run_dir, run_id, hosts, py_spy):
     if record is not None:
         write_atomic(stalled, json.dumps(dict(record, stacks=lines)) + "\n")
     return lines
+
+
+def ras_lines(addr=None):
+    """What NCCL's RAS says of the stalled job, from this node (the master's ranks' RAS answers for
+    every node): a line per rank behind, missing or in error; one saying all agree, or why RAS gave
+    no answer. `addr`: host:port, by default NCCL_RAS_ADDR as the ranks have it, else NCCL's own."""
+    host, _, port = (addr or os.environ.get("NCCL_RAS_ADDR") or f"127.0.0.1:{ncclras.PORT}").rpartition(":")
+    where = f"{host or '127.0.0.1'}:{port}"
+    try:
+        verdicts = ncclras.behind(ncclras.ask(host or "127.0.0.1", int(port)))
+    except (OSError, ValueError) as e:
+        return [f"NCCL RAS: no answer at {where} ({e}): NCCL before 2.24, NCCL_RAS_ENABLE=0, or its "
+                f"address elsewhere (NCCL_RAS_ADDR); the stacks alone"]
+    return ncclras.said(verdicts) or [f"NCCL RAS ({where}): every rank has launched the same collectives"]

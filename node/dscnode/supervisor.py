@@ -154,7 +154,7 @@ class Stall:
 def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
     """Wait for the launcher; when a node fails and the run has not ended grace seconds later
     (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere. A
-    stall (`stall`: {timeout_s, fail, py_spy}) is marked in the run directory, with every rank's
+    stall (`stall`: {timeout_s, fail, py_spy, ras}) is marked in the run directory, with every rank's
     stack (py_spy: the env's py-spy), and with fail it ends the attempt as a failure (teardown, then a restart when max_restarts allows). `seen` (a dict) gets
     the attempt's first out-of-memory line ("oom")."""
     seen = {} if seen is None else seen
@@ -183,9 +183,9 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
             checked = time.time()
             slow.check()
             stalled = stalls.check(checked)
-            if stalled and stalled.get("first") and stall.get("py_spy"):
+            if stalled and stalled.get("first") and (stall.get("py_spy") or stall.get("ras")):
                 try:
-                    at_stall(str(run.path), run_id, list(hosts), stall["py_spy"])
+                    at_stall(str(run.path), run_id, list(hosts), stall.get("py_spy"), stall.get("ras"))
                 except Exception as e:  # noqa: BLE001 - a diagnosis: supervising the run goes on
                     print(f"[dsc_node] the ranks' stacks were not read: {e}", flush=True)
             if stalled and stall.get("fail") and deadline is None:
@@ -303,7 +303,9 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         seen = {}
-        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen)
+        # on GPU nodes a stall also asks NCCL's RAS which rank is behind
+        code, cause, torn = watch(child, run, run_id, list(hosts), offset, seen=seen,
+                                  stall=dict(stall or {}, ras=any((used_gpus or {}).values())))
         if cause:
             best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
                 cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
