@@ -131,21 +131,25 @@ def test_index_installs_take_exactly_the_hashed_node_lock(provisioned, cluster, 
                                "dsc_torch_variant": "pypi",
                                "dsc_node_lock": str(lock), "dsc_pip_index_url": url,
                                "deepspeed_warm_ops": {"cpu": [], "cuda": []}})]
-    tqdm = next((index / "simple" / "tqdm").glob("*.whl"))
+    # The lock's first file changed on the index: pip checks each file as it fetches it, in the
+    # lock's order, so the refusal comes before torch's 800 MB are fetched on every node.
+    first = canonicalize_name(next(line for line in lines if line and not line.startswith("#")).split("==")[0])
+    tampered = next((index / "simple" / first).glob("*.whl"))
     try:
         # A changed file on the index: refused on every node, nothing installed in the new env.
-        subprocess.run(["podman", "exec", OUTSIDER, "sh", "-c", f"echo tampered >> /srv/index/simple/tqdm/{tqdm.name}"],
-                       **podman)
+        subprocess.run(["podman", "exec", OUTSIDER, "sh", "-c",
+                        f"echo tampered >> /srv/index/simple/{first}/{tampered.name}"], **podman)
         r = cluster.playbook("provision.yml", *extra)
         assert r.returncode != 0
         task = r.output.split("Install the lock's wheels, every file checked against its sha256")[1].split("TASK [")[0]
-        assert "DO NOT MATCH THE HASHES" in task and "tqdm" in task, task[-3000:]
+        assert "DO NOT MATCH THE HASHES" in task and tampered.name in task, task[-3000:]
         assert "Task failed" in task and sum(v.get("failed", 0) for v in r.recap.values()) >= 1, r.recap
         assert "Build and install the lock's source packages" not in r.output
         for n in cluster.names:
-            assert cluster.exec(n, f"ls {root}/env/lib/python3*/site-packages | grep -c -E '^(torch|tqdm)' || true").stdout.strip() == "0"
+            assert cluster.exec(n, f"ls {root}/env/lib/python3*/site-packages | grep -c -E '^(torch|{first.replace('-', '_')})' "
+                                   "|| true").stdout.strip() == "0"
         # The index's own file again: the lock installs, DeepSpeed built from its source archive.
-        subprocess.run(["podman", "cp", str(tqdm), f"{OUTSIDER}:/srv/index/simple/tqdm/{tqdm.name}"], **podman)
+        subprocess.run(["podman", "cp", str(tampered), f"{OUTSIDER}:/srv/index/simple/{first}/{tampered.name}"], **podman)
         r = cluster.playbook("provision.yml", *extra)
         assert r.returncode == 0, r.output[-5000:]
         assert "Build and install the lock's source packages, checked against their sha256 (deepspeed)" in r.output
