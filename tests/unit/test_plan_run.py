@@ -200,7 +200,7 @@ def test_steps_trains_a_finished_run_on_to_a_new_end_with_its_own_configuration(
     own = {"size": "tiny", "steps": 40, "lr": 0.003}
     done = [{"id": "r1", "mtime": 1, "started": True, "active": False, "finished": True,
              "launch": {"preset": "zero2", "dsc_train_config": own, "dsc_entry_module": "train.run"}}]
-    p, errors = resume_with_e({"steps": 60}, runs=done)
+    p, errors = resume_with_e({"steps": "60"}, runs=done)  # as -e steps=60 gives it
     assert errors == [], errors
     files = p["run"]["resume_files"]
     assert json.loads(files["train.json"]) == dict(own, steps=60)
@@ -212,8 +212,9 @@ def test_steps_trains_a_finished_run_on_to_a_new_end_with_its_own_configuration(
     assert any(e.startswith("steps=60: the run's entry is cifar10_deepspeed.py, whose end is its own argument") for e in errors), errors
     _, errors = plan(options={"steps": 60}, full_run=True)
     assert any(e.startswith("steps=60 given to a launch: it moves a resumed run's end.") for e in errors), errors
-    _, errors = resume_with_e({"steps": -5}, runs=done)
-    assert any(e.startswith("steps is -5. Fix:") for e in errors), errors
+    for bad in (-5, "6o", True):
+        _, errors = resume_with_e({"steps": bad}, runs=done)
+        assert any(e.startswith(f"steps is {bad!r}. Fix:") for e in errors), (bad, errors)
 
 
 RESUMABLE = [{"id": "r1", "mtime": 1, "started": True, "active": False,

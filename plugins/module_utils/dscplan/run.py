@@ -331,11 +331,13 @@ def _new_end(opt, entry, problems):
     rest of its configuration kept), or None where steps is not given (0). Refused on a launch
     (dsc_train_config's steps is the end there) and for a script, whose end is its own argument."""
     steps = opt["steps"]
-    if not steps:
+    if steps in (None, "", 0, "0"):
         return None
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_int(steps) or int(steps) < 1:
         problems.add(f"steps is {steps!r}. Fix: the step to train the run on to, a whole number above 0.")
-    elif not as_bool(opt["resume"]):
+        return None
+    steps = int(steps)  # -e gives it as a string
+    if not as_bool(opt["resume"]):
         problems.add(f"steps={steps} given to a launch: it moves a resumed run's end. Fix: "
                      f"dsc_train_config's steps for a new run (-e '{{\"dsc_train_config\": "
                      f"{{\"steps\": {steps}}}}}'), or resume.yml -e steps={steps}.")
@@ -439,6 +441,7 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
     resume = as_bool(opt["resume"])
     entry = _entry(opt, paths, problems)
     new_end = _new_end(opt, entry, problems)
+    opt["steps"] = new_end["steps"] if new_end else 0
     if new_end:  # written again into the run (train.json, launch.json) by this resume
         opt["dsc_train_config"] = new_end
     preset, options, auto, ladder, model = _preset(plan, s, opt, options, paths, entry, resume, problems)
