@@ -168,8 +168,8 @@ def _stop_and_resume(cluster):
     assert none_active.returncode != 0 and "No run is active on node1" in none_active.output \
         and "t-long" in none_active.output, none_active.output[-2000:]
     _a_stale_op_build_lock_fails_preflight_until_stop_removes_it(cluster)
-    res = cluster.playbook("resume.yml", "-e", "follow=true", "-e", "preflight=false", "-e", "run_id=t-long",
-                           "-e", f"steps={saved + 4}")
+    res = cluster.playbook("resume.yml", "-e", "follow=true", "-e", "follow_every_s=2", "-e", "preflight=false",
+                           "-e", "run_id=t-long", "-e", f"steps={saved + 4}")
     assert res.returncode == 0, res.output[-4000:]
     # each node's state is the resumed attempt's: the worker's ranks never train under the last
     # attempt's end (the exit code of the stop, written to every node)
