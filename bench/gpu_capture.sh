@@ -17,6 +17,7 @@ nvidia-smi -q -x > "$d/nvidia-smi-q-x.xml"; nvidia-smi -q > "$d/nvidia-smi-q.txt
 } > "$d/machine.txt" 2>&1
 { dmesg 2>&1 || journalctl -k --no-pager 2>&1; } | grep -iE 'xid|nvrm|dmesg|journal' | head -200 > "$d/kernel-xid.txt"
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV,GRAPH MASTER_ADDR=127.0.0.1 MASTER_PORT=29630 \
+  PYTHONPATH=$(cd "$(dirname "$0")/.." && pwd)/node \
   timeout 120 $py - "$d" > "$d/nccl-run.txt" 2> "$d/nccl-info.log" <<'PY'
 import socket, sys, time, torch, torch.distributed as dist
 
@@ -45,6 +46,13 @@ for fmt, name in (("text", "ras-status.txt"), ("json", "ras-status.json")):
         open(f"{sys.argv[1]}/{name}", "w").write(ras(fmt))
     except OSError as e:
         print(f"RAS {fmt}: {e}", flush=True)
+try:  # the supervisor's own reader (node/dscnode/ncclras.py), as a stall asks it
+    from dscnode import ncclras
+    t0 = time.time()
+    answer = ncclras.ask()
+    print("ncclras.ask", round(time.time() - t0, 2), "s;", ncclras.said(ncclras.behind(answer)) or "all agree", flush=True)
+except (ImportError, OSError, ValueError) as e:
+    print(f"ncclras: {e}", flush=True)
 dist.destroy_process_group()
 PY
 echo "nccl run rc=$?" >> "$d/nccl-run.txt"
