@@ -9,9 +9,9 @@ each collective first and wait in it for the slowest, which waits for nobody. So
 rank is slow when its compute is SLOW_RATIO times the median of the others' and the others spend
 WAIT_SHARE of each step or more in collectives beyond its own time in them (their wait for it: a
 transfer takes as long for each), in CONSISTENT windows in a row that span MIN_SPAN_S or more; the
-mark clears at the first window where it is not so. A run whose ranks are alike is never marked (the ratio is about 1),
-nor one bound by its network (every rank waits alike): a slow link or NIC is not named here, it
-is doctor.yml's to measure. The others are the ranks of the other nodes, so that a node slowed
+mark clears at the first window where it is not so. A run whose ranks are alike is never marked
+(the ratio is about 1), nor one bound by its network (every rank waits alike): a slow link or NIC
+is not named here, it is doctor.yml's to measure. The others are the ranks of the other nodes, so that a node slowed
 as a whole stands out against them.
 
 Why it holds where collectives overlap compute:
