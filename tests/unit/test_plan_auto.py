@@ -252,6 +252,10 @@ def test_a_measured_peak_over_the_prediction_scales_a_later_auto_of_the_same_cod
     probes["node1"]["runs"][0]["memory"] = dict(record, ratio=1.03, measured=int(memory["predicted"] * 1.03))
     again, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts, now="20261130-000002", full_run=True)
     assert again["run"]["batch"]["micro_batch"] == 16
+    # the same configuration's measured peak is reused, and said so: nothing was scaled
+    said = again["run"]["auto"][0]
+    assert "(reused: the measured peak of this configuration in an earlier run; train/memory.py predicted " in said \
+        and "scaled" not in said, said
     probes["node1"]["runs"][0]["memory"] = record
     other = dict(opts, dsc_model_shape={"attention": "eager", "dropout": 0, "activation": "gelu"})
     fixed, _ = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, other, now="20261130-000003", full_run=True)

@@ -247,9 +247,12 @@ def _auto_reason(chosen, candidates, records, ratio, room, model, bits):
     measured = [f"  measured before (run {m['run_id']} on {m['node']}, {m['preset']} micro-batch "
                 f"{m['micro_batch']}): {m['measured'] / 2**30:.1f} GiB against the predicted "
                 f"{m['predicted'] / 2**30:.1f} GiB (x{m['ratio']:.2f})" for m in records if m["ratio"] > MEASURED_TOLERANCE]
-    shown_use = (f"{chosen['use'] / 2**30:.1f} GiB per GPU (predicted {chosen['predicted'] / 2**30:.1f} GiB by "
-                 f"train/memory.py, scaled by the measured x{ratio:.2f})" if chosen["use"] != chosen["predicted"]
-                 else f"{chosen['predicted'] / 2**30:.1f} GiB per GPU (train/memory.py)")
+    predicted = f"{chosen['predicted'] / 2**30:.1f} GiB"
+    shown_use = (f"{chosen['use'] / 2**30:.1f} GiB per GPU (reused: the measured peak of this configuration in "
+                 f"an earlier run; train/memory.py predicted {predicted})" if chosen["measured"]
+                 else f"{chosen['use'] / 2**30:.1f} GiB per GPU (predicted {predicted} by train/memory.py, "
+                      f"scaled by the measured x{ratio:.2f})" if chosen["use"] != chosen["predicted"]
+                 else f"{predicted} per GPU (train/memory.py)")
     want = chosen["use"] / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
     return [f"preset=auto chose {chosen['preset']} at micro-batch {chosen['micro_batch']}: predicted peak "
             f"{shown_use}, x{AUTO_FACTOR} + {AUTO_RESERVE_MIB / 1024:.1f} GiB = {want / 1024:.1f} GiB, within "
@@ -323,7 +326,7 @@ def auto_preset(plan, opt, options, paths, entry, problems, s=None):
                 use = max(same) if same else int(need * ratio)
                 want = use / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
                 c = {"preset": name, "micro_batch": mb, "batch": sizes_mb, "predicted": int(need), "use": use,
-                     "fits": want <= smallest,
+                     "measured": bool(same), "fits": want <= smallest,
                      "line": f"{name} micro-batch {mb}: predicted {need / 2**30:.1f} GiB"
                              + (f", measured {use / 2**30:.1f} GiB" if same else
                                 f" x{ratio:.2f} measured = {use / 2**30:.1f} GiB" if ratio > 1 else "")
