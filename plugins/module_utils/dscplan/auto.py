@@ -94,7 +94,8 @@ def _assume_unsaid(values, assumed, cfg_path):
     if "attention" not in values:
         values["attention"] = "eager"
         assumed.append("attention eager (" + ("config.json names no attn_implementation; "
-                       "transformers runs eager where a model is built without one" if cfg_path
+                       "transformers builds most models with sdpa where torch has it, eager otherwise, "
+                       "and eager keeps more" if cfg_path
                        else "not given") + "); give dsc_model_shape.attention: sdpa where yours runs "
                        "scaled_dot_product_attention or flash")
     if "dropout" not in values:
