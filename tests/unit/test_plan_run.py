@@ -198,13 +198,18 @@ def test_steps_trains_a_finished_run_on_to_a_new_end_with_its_own_configuration(
     new end, the rest of its configuration kept; no force needed. A launch, a script's entry and a
     step that is no whole number are refused, naming the fix."""
     own = {"size": "tiny", "steps": 40, "lr": 0.003}
-    done = [{"id": "r1", "mtime": 1, "started": True, "active": False, "finished": True,
-             "launch": {"preset": "zero2", "dsc_train_config": own, "dsc_entry_module": "train.run"}}]
-    p, errors = resume_with_e({"steps": "60"}, runs=done)  # as -e steps=60 gives it
+    done = [{"id": "r1", "mtime": 1, "started": True, "active": False, "finished": True, "secrets": True,
+             "launch": {"preset": "zero2", "dsc_train_config": own, "dsc_entry_module": "train.run",
+                        "secret_names": ["HF_TOKEN"]}}]
+    hostvars, groups, probes = cluster(2, runs=done)
+    probes["node2"]["runs"] = done  # its secrets file on every node
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {"steps": "60", "resume": True},
+                                  now="20261130-000000", full_run=True, extra_vars={"steps"})  # as -e steps=60 gives it
     assert errors == [], errors
     files = p["run"]["resume_files"]
     assert json.loads(files["train.json"]) == dict(own, steps=60)
-    assert json.loads(files["launch.json"])["dsc_train_config"] == dict(own, steps=60)
+    # launch.json as the run recorded it (its secrets' names kept), but for its new end
+    assert json.loads(files["launch.json"]) == dict(done[0]["launch"], dsc_train_config=dict(own, steps=60))
     assert "hostfile" not in files  # the run's other files stay as they are
     script = [dict(done[0], launch=dict(done[0]["launch"], dsc_entry_module="", dsc_entry_script="cifar10_deepspeed.py",
                                         dsc_code_dir=str(ROOT / "tests/fixtures/scripts/cifar")))]

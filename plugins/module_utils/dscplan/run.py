@@ -351,6 +351,15 @@ def _new_end(opt, entry, problems):
     return None
 
 
+def _moved_end(run_id, runs_seen, new_end, files):
+    """The files that hold a resumed run's end, steps=N's: train.json (this plan's, the run's own
+    train config with the new end) and launch.json as the run recorded it (its secrets' names and
+    all) but for that train config."""
+    recorded = next((r.launch for r in runs_seen if r.id == run_id), None) or {}
+    return {RunDir.TRAIN_CONFIG: files[RunDir.TRAIN_CONFIG],
+            RunDir.LAUNCH: json.dumps(dict(recorded, dsc_train_config=new_end), indent=2, sort_keys=True) + "\n"}
+
+
 def _check_restarts(opt, launcher, problems):
     """The supervisor's options: whole numbers, and what the launch mode cannot honour."""
     for var in ("max_restarts", "restart_backoff_s", "dsc_stall_timeout_s"):
@@ -507,7 +516,7 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
         commands=commands, start_args=start_args, code_archive=archive, files=files,
         # A resume keeps the run's files, but the launch mode's (its commands carry the resume)
         # and, with steps=N, those that hold the run's end, for this attempt and every later one.
-        resume_files=dict(launch_files, **({k: files[k] for k in (RunDir.TRAIN_CONFIG, RunDir.LAUNCH)} if new_end else {})),
+        resume_files=dict(launch_files, **(_moved_end(run_id, runs_seen, new_end, files) if new_end else {})),
         # the run files the roles name: the ranks' environment file (DeepSpeed's runner reads
         # DS_ENV_FILE), the launcher's log (the launch message) and train.allreduce's result
         # (preflight.yml reads it on the master)
