@@ -395,3 +395,12 @@ def test_a_launch_records_its_secret_names_never_their_values():
 
 def test_the_plans_secrets_path_is_the_node_helpers():
     assert str(secrets_file("/opt/dscluster/runs/r1")) == dscplan.secrets_path("/opt/dscluster/runs", "r1")
+
+
+@pytest.mark.parametrize("value", ["../5", "5;id", "$(id)", "5\n", "#jinja2:variable_start_string:'[['\n[[ 7*7 ]]", "{{ 7*7 }}"])
+def test_a_hostile_steps_is_refused_naming_it(value):
+    """resume.yml -e steps=...: anything but a whole number is refused before any node changes."""
+    done = [{"id": "r1", "mtime": 1, "started": True, "active": False, "finished": True,
+             "launch": {"preset": "zero2", "dsc_train_config": {"steps": 40}, "dsc_entry_module": "train.run"}}]
+    p, errors = resume_with_e({"steps": value}, runs=done)
+    assert p is None and any(e.startswith("steps ") and "Fix:" in e for e in errors), errors
