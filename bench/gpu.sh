@@ -20,7 +20,7 @@ wheels=$(realpath "$1"); coll=$(realpath "$2"); ref=$(realpath "$3"); presets=${
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"
 . "$(dirname "$0")/gpu_ansible.sh"
 gpu_ansible "$wheels" "$coll" || exit 1
-ap() { /tmp/ansible-playbook -i "${INVENTORY:-bench/inventory/gpu-local}" "$@"; }
+ap() { "$DSC_ANSIBLE_PLAYBOOK" -i "${INVENTORY:-bench/inventory/gpu-local}" "$@"; }
 echo "image TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} (the toolkit renders its own from nvidia-smi)"
 if [ ! -f /tmp/dsc-provision.done ]; then
   t0=$(date +%s.%N)

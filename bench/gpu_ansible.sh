@@ -5,10 +5,10 @@
 # ANSIBLE_COLLECTIONS_PATH, DSC_WHEELHOUSE and DSC_ANSIBLE_PLAYBOOK (bench/launch.py's).
 py=/opt/torch/.venv/bin/python3
 # The project's own Python for processes without the control venv, whose .pth names the same
-# paths (scripts/setup-control.sh): the plan and the filters import dscplan and dscnode, bench's
+# paths (scripts/import-paths.sh): the plan and the filters import dscplan and dscnode, bench's
 # scripts cluster and train (tests/unit/test_bench_imports.py keeps them importable so).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-repo_path=$(sed "s#^\.\$##; s#^#$repo/#; s#/\$##" "$repo/scripts/import-paths" | paste -sd:)
+repo_path=$(sh "$repo/scripts/import-paths.sh" "$repo" | paste -sd:)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 gpu_ansible() {
   local wheels=$1 coll=$2

@@ -9,7 +9,7 @@
 # script replaces it (each fault in tests/unit/test_gpu_health.py stays one edit of that file).
 set -uo pipefail
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"; d=$(mktemp -d)
-py=/opt/torch/.venv/bin/python3
+. "$(dirname "$0")/gpu_ansible.sh"  # py, repo_path (no Ansible here)
 nvidia-smi -q -x > "$d/nvidia-smi-q-x.xml"; nvidia-smi -q > "$d/nvidia-smi-q.txt"
 { nvidia-smi --version; uname -r; cat /etc/os-release | head -2
   for i in /sys/class/net/*; do echo "$i speed=$(cat "$i/speed" 2>&1) operstate=$(cat "$i/operstate")"; done
@@ -17,7 +17,7 @@ nvidia-smi -q -x > "$d/nvidia-smi-q-x.xml"; nvidia-smi -q > "$d/nvidia-smi-q.txt
 } > "$d/machine.txt" 2>&1
 { dmesg 2>&1 || journalctl -k --no-pager 2>&1; } | grep -iE 'xid|nvrm|dmesg|journal' | head -200 > "$d/kernel-xid.txt"
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV,GRAPH MASTER_ADDR=127.0.0.1 MASTER_PORT=29630 \
-  PYTHONPATH=$(cd "$(dirname "$0")/.." && pwd)/node \
+  PYTHONPATH=$repo_path \
   timeout 120 $py - "$d" > "$d/nccl-run.txt" 2> "$d/nccl-info.log" <<'PY'
 import socket, sys, time, torch, torch.distributed as dist
 

@@ -27,7 +27,7 @@ done
 ctl=$out/control; mkdir -p "$ctl"
 . "$here/gpu_ansible.sh"
 gpu_ansible "$wheels" "$coll" || exit 1
-ap() { /tmp/ansible-playbook -i bench/inventory/gpu-two-nodes "$@"; }
+ap() { "$DSC_ANSIBLE_PLAYBOOK" -i bench/inventory/gpu-two-nodes "$@"; }
 id=ctl-$(date +%s) metrics=/srv/dsc-nodes/node1/runs/$id/metrics.jsonl
 ap launch.yml -e preset=zero2 -e run_id=$id \
   -e '{"dsc_train_config": {"size": "125m", "seq_len": 1024, "steps": 400, "save_every": 50}}' \

@@ -30,7 +30,7 @@ if [ ! -d $inv ]; then
   cp -r bench/inventory/gpu-local $inv
   sed -i '/^dsc_micro_batch:/d; /^# The 1.42 B/d; /^dsc_train_config:/,/^  save_final:/d' $inv/group_vars/all.yml
 fi
-ap() { /tmp/ansible-playbook -i $inv "$@"; }
+ap() { "$DSC_ANSIBLE_PLAYBOOK" -i $inv "$@"; }
 now() { date +%s.%N; }
 pack() { tar -C $logs -czf $out/user-auto-logs.tgz . 2>/dev/null; }
 if [ ! -f /tmp/dsc-provision.done ]; then

@@ -10,15 +10,13 @@ stamp="$venv/.requirements.sha256"
 # Ansible's fact cache (ansible.cfg) holds the nodes' facts: the control node's user alone reads it.
 install -d -m 0700 "$here/.cache/facts" && chmod -R go-rwx "$here/.cache/facts"
 want=$(sha256sum "$here/requirements/control.lock" | cut -d' ' -f1)
-# The project's own Python, importable by the paths of scripts/import-paths alone: the repository
-# root (train), plugins/module_utils (dscplan, the plan), node (dscnode, the node helper) and
-# molecule (cluster, the container tier's cluster). Ansible's action and filter plugins, pytest and
-# bench/ all run this venv's python, which reads the .pth at start (the GPU benchmarks, without
-# this venv, put the same paths on PYTHONPATH: bench/gpu_ansible.sh). Written on every run, so a
-# moved repository or a venv made before the file existed gets it without reinstalling.
+# The project's own Python, importable by the paths scripts/import-paths.sh prints alone.
+# Ansible's action and filter plugins, pytest and bench/ all run this venv's python, which reads
+# the .pth at start. Written on every run, so a moved repository or a venv made before the file
+# existed gets it without reinstalling.
 purelib() { "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))'; }
 write_paths() {
-  sed "s#^\.\$##; s#^#$here/#; s#/\$##" "$here/scripts/import-paths" > "$(purelib)/dscluster.pth"
+  sh "$here/scripts/import-paths.sh" "$here" > "$(purelib)/dscluster.pth"
 }
 if [ -x "$venv/bin/ansible-playbook" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   write_paths

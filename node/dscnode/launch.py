@@ -14,7 +14,7 @@ from dscnode.checks import free_port
 from dscnode.procs import active, pid_alive, teardown
 from dscnode.records import config_label
 from dscnode.rundir import RunDir, prune_secrets, write_atomic
-from dscnode.supervisor import best_effort, describe, gate_cause, gpu_gate, supervise, with_resume
+from dscnode.supervisor import best_effort, describe, gate_cause, gpu_gate, record_failure, supervise, with_resume
 
 
 def write_run(run_dir, spec, resume=False):
@@ -90,7 +90,7 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
         refused = gpu_gate(list(hosts)[:1], used_gpus or {})
         if refused:  # the run's cause, as the supervisor's own restarts record it
             cause = gate_cause(refused)
-            write_atomic(run / RunDir.FAILURE, json.dumps(dict(cause, message=describe(cause), restarts=attempt)) + "\n")
+            record_failure(run, cause, restarts=attempt)
             (run / RunDir.RESTARTING).unlink(missing_ok=True)
             print(json.dumps({"started": False, "error": describe(cause)}))
             return 6

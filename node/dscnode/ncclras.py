@@ -140,8 +140,6 @@ def behind(answer):
     answer), "dead", "left" (answered without being a member: destroyed, finalized, or not yet joined)
     and "error" (error: what it reported). rank, host, pid, gpu: None where RAS does not say; a process
     RAS names outside any communicator has comm and rank None."""
-    if isinstance(answer, bytes):
-        answer = answer.decode(errors="replace")
     groups, out = (_json if answer.lstrip().startswith("{") else _text)(answer)
     top, reached = {}, {}
     for comm, op, count, n, _ in groups:

@@ -214,10 +214,11 @@ def ras_lines(addr=None):
     """What NCCL's RAS says of the stalled job, from this node (the master's ranks' RAS answers for
     every node): a line per rank behind, missing or in error; one saying all agree, or why RAS gave
     no answer. `addr`: host:port, by default NCCL_RAS_ADDR as the ranks have it, else NCCL's own."""
-    host, _, port = (addr or os.environ.get("NCCL_RAS_ADDR") or f"127.0.0.1:{ncclras.PORT}").rpartition(":")
-    where = f"{host or '127.0.0.1'}:{port}"
+    host, _, port = (addr or os.environ.get("NCCL_RAS_ADDR") or f":{ncclras.PORT}").rpartition(":")
+    host = host or "127.0.0.1"
+    where = f"{host}:{port}"
     try:
-        verdicts = ncclras.behind(ncclras.ask(host or "127.0.0.1", int(port)))
+        verdicts = ncclras.behind(ncclras.ask(host, int(port)))
     except (OSError, ValueError) as e:
         return [f"NCCL RAS: no answer at {where} ({e}): NCCL before 2.24, NCCL_RAS_ENABLE=0, or its "
                 f"address elsewhere (NCCL_RAS_ADDR); the stacks alone"]

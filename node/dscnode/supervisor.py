@@ -247,9 +247,9 @@ def gpu_gate(hosts, used_gpus):
     findings of every node the supervisor restarts, "<node> GPU i: what" each; [] where all pass
     or no node uses a GPU. This node's own here, the others' through pdsh, one call for the nodes
     that use the same GPUs. As the training user: the kernel log's Xids are read where it may."""
-    health = {}
     if not hosts:
         return []
+    health = {}
     if used_gpus.get(hosts[0]):
         health[hosts[0]] = gpuhealth.report(used_gpus[hosts[0]])
     alike = {}
@@ -264,6 +264,11 @@ def gpu_gate(hosts, used_gpus):
                 pass  # no answer: the restart itself finds the node unreachable
     return [f"{host} {f['what']}" for host in hosts for f in (health.get(host) or {}).get("findings", [])
             if f["status"] == "FAIL"]
+
+
+def record_failure(run, cause, **fields):
+    """failure.json: the attempt's cause in words beside its own fields (status shows it)."""
+    best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(cause, message=describe(cause), **fields)) + "\n")
 
 
 def gate_cause(refused):
@@ -293,6 +298,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     # At the ladder step the run is at (a resumed or restarted run that stepped down keeps it).
     base = at_step(cmd, run, len(step_downs(run.path)))
     attempt = list(base)
+    stall = dict(stall or {}, ras=any((used_gpus or {}).values()))  # on GPU nodes a stall asks NCCL's RAS too
     while True:
         # Where this attempt's output starts, taken before the spawn: its first failure line is
         # never missed, and status reads the latest attempt's error, not an earlier one's.
@@ -303,12 +309,9 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         seen = {}
-        # on GPU nodes a stall also asks NCCL's RAS which rank is behind
-        code, cause, torn = watch(child, run, run_id, list(hosts), offset, seen=seen,
-                                  stall=dict(stall or {}, ras=any((used_gpus or {}).values())))
+        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen)
         if cause:
-            best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
-                cause, message=describe(cause), exit_code=code, teardown=torn, restarts=restarts)) + "\n")
+            record_failure(run, cause, exit_code=code, teardown=torn, restarts=restarts)
         if code == 0 or (run / RunDir.STOPPED).exists():
             break
         down = step_down(run, seen.get("oom"), code)
@@ -337,8 +340,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         if refused:  # no rank starts on a node whose GPU failed the gate
             cause = gate_cause(refused)
             print(f"[dsc_node] {describe(cause)}", flush=True)
-            best_effort(write_atomic, run / RunDir.FAILURE, json.dumps(dict(
-                cause, message=describe(cause), exit_code=code, teardown=True, restarts=restarts)) + "\n")
+            record_failure(run, cause, exit_code=code, teardown=True, restarts=restarts)
             break
         attempt = with_resume(base, resume_args)
     record_exit(run, code)

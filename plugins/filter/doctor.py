@@ -70,7 +70,6 @@ def doctor_report(args):
     stated = {n["name"]: n for n in (records[0] if records else [])}
     iperf = {k: v for one in sent or [] for k, v in (one or {}).items()}
     measured = {tuple(p["nodes"]): p for p in (allreduce or {}).get("pairs") or []}
-    nccl = (allreduce or {}).get("backend") == "nccl"
     pairs = []
     for one in rounds_by_name(names):
         for a, b in one:
@@ -79,9 +78,8 @@ def doctor_report(args):
             pairs.append({"a": a, "b": b, "iperf_gbps": ip.get("gbps"), "iperf_error": ip.get("error"),
                           "allreduce_gbps": ar["busbw_gbps"] if ar else None,
                           "allreduce_error": None if ar else (error or "not measured"),
-                          "promised": dict(promised(stated.get(a) or {}, stated.get(b) or {}),
-                                           # gloo (CPU) is not held to the RDMA ports' rate
-                                           **({} if nccl else {"allreduce_gbps": None}))})
+                          "promised": promised(stated.get(a) or {}, stated.get(b) or {},
+                                               (allreduce or {}).get("backend"))})
     median = {key: cluster_median(names, pairs, key) for key, _, _ in METRICS}
     for p in pairs:
         p["below_promise"] = [why for key, label, unit in METRICS

@@ -340,7 +340,7 @@ def iperf_row(node, ip, records):
 def _allreduce_rows(ar, nodes):
     """The all-reduce measured across the cluster, where it ran (ar: its report), its largest size
     held against the RDMA ports where NCCL ran it and every node has one: the slowest of the
-    nodes' fastest ACTIVE ports (dscplan.network.promised); gloo (CPU) is not held to it."""
+    nodes' fastest ACTIVE ports (dscplan.network.promised, which holds gloo to none)."""
     if ar is None:
         return []
     rows = []
@@ -349,8 +349,7 @@ def _allreduce_rows(ar, nodes):
                          "fix what the rows above name, then run preflight.yml again"))
     elif ar.get("busbw_gbps_max") is not None:
         big = ar["rows"][-1]
-        promises = [promised(a, b)["allreduce_gbps"] for a in nodes for b in nodes
-                    if a is not b and ar.get("backend") == "nccl"]
+        promises = [promised(a, b, ar.get("backend"))["allreduce_gbps"] for a in nodes for b in nodes if a is not b]
         promise = min(promises) if promises and None not in promises else None
         slow = below_promise(big["busbw_gbps"], promise, "busbw", "GB/s")
         rows.append(_row("all-reduce", "all", "WARN" if slow else "PASS",

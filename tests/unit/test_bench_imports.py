@@ -1,6 +1,6 @@
 """The GPU benchmarks run without the control venv (the GPU image's python, the carried
 ansible-core): bench/gpu_ansible.sh puts the project's own packages on PYTHONPATH for
-ansible-playbook and for bench's scripts, the paths the venv's .pth names (scripts/import-paths).
+ansible-playbook and for bench's scripts, the paths the venv's .pth names (scripts/import-paths.sh).
 Here every bench script starts, and the plan's and filters' imports resolve, with those paths
 alone: python -S reads no .pth, and the venv's site-packages stands in for the image's own
 (jinja2, yaml, packaging).

@@ -47,17 +47,18 @@ NETWORK_FIX = ("check what the links negotiated and what carries them: `ethtool 
                "(NCCL_DEBUG=INFO: NET/IB, not NET/Socket)")
 
 
-def promised(node_a, node_b):
+def promised(node_a, node_b, backend=None):
     """What a pair's link promises, from the plan's node records: {"iperf_gbps": the slower
     training interface's stated speed in Gbit/s, where both state one and the slower is at most
     TCP_JUDGED_MBPS;
     "allreduce_gbps": the slower node's fastest ACTIVE RDMA port in GB/s (an all-reduce's bus
-    bandwidth), where both have one}; None where not stated."""
+    bandwidth), where both have one and the all-reduce ran on NCCL (`backend`: gloo, on CPU, is not
+    held to the RDMA ports' rate)}; None where not stated."""
     speeds = [n.get("link_mbps") for n in (node_a, node_b)]
     tcp = min(speeds) / 1000 if all(speeds) and min(speeds) <= TCP_JUDGED_MBPS else None
     rates = [max((p.get("rate_gbps") or 0 for p in n.get("rdma") or [] if p.get("state") == "ACTIVE"), default=0)
              for n in (node_a, node_b)]
-    return {"iperf_gbps": tcp, "allreduce_gbps": min(rates) / 8 if all(rates) else None}
+    return {"iperf_gbps": tcp, "allreduce_gbps": min(rates) / 8 if all(rates) and backend == "nccl" else None}
 
 
 def below_promise(measured, promise, label, unit):

@@ -219,8 +219,9 @@ def _config_choice(opt, problems, read=True):
     return mode, config_arg, user_config
 
 
-def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, queues, problems):
-    """An active run (unless replace), a resume of an unknown run, a new run in a used directory."""
+def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, queues, problems, new_end=None):
+    """An active run (unless replace), a resume of an unknown run, a new run in a used directory,
+    a finished run resumed without force or a new end (`new_end`: steps=N's)."""
     seen = {r.id: r for r in runs_seen}
     this = seen.get(run_id)
     active = [r.id for r in runs_seen if r.active]
@@ -245,7 +246,7 @@ def _refused_starts(opt, run_id, plan, runs_seen, refuse_active, queues, problem
         problems.add(f"run_id {run_id!r} is still running on {plan.master}: resuming it would "
                      f"start a second copy. Fix: follow it (status.yml -e run_id={run_id} "
                      f"-e follow=true), or stop it first (stop.yml -e run_id={run_id}).")
-    elif as_bool(opt["resume"]) and (this and this.finished) and not (as_bool(opt["force"]) or opt["steps"]):
+    elif as_bool(opt["resume"]) and (this and this.finished) and not (as_bool(opt["force"]) or new_end):
         problems.add(f"run_id {run_id!r} finished on {plan.master}; resuming it would train "
                      f"past its end and rewrite its summary. Fix: -e steps=N to train it on to "
                      f"step N (the default job), -e force=true with your script's own new end in "
@@ -450,7 +451,6 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
     resume = as_bool(opt["resume"])
     entry = _entry(opt, paths, problems)
     new_end = _new_end(opt, entry, problems)
-    opt["steps"] = new_end["steps"] if new_end else 0
     if new_end:  # written again into the run (train.json, launch.json) by this resume
         opt["dsc_train_config"] = new_end
     preset, options, auto, ladder, model = _preset(plan, s, opt, options, paths, entry, resume, problems)
@@ -468,7 +468,7 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
         if "error" in sizes and (mode == "preset" or any(
                 k in options for k in ("dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch"))):
             problems.add(sizes["error"])
-    _refused_starts(opt, run_id, plan, runs_seen, refuse_active, launcher.queues, problems)
+    _refused_starts(opt, run_id, plan, runs_seen, refuse_active, launcher.queues, problems, new_end)
     secrets = resume and _resume_secrets(run_id, plan, runs_seen, problems)
     archive = ""
     if not entry["shared"] and not resume and os.path.isdir(entry["code_dir"]):
