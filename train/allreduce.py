@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dscnode import nccllog
 from dscnode.rundir import RunDir
 
 
@@ -59,8 +60,8 @@ def main(argv=None):
     acc = get_accelerator()
     run_dir = Path(os.environ.get("DSC_RUN_DIR", "."))
     if acc.device_name() == "cuda":  # which transport NCCL chose, each rank's lines in a file of its own
-        os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET",
-                          NCCL_DEBUG_FILE=str(run_dir / "nccl-%h-%p.log"))
+        (run_dir / RunDir.NCCL).mkdir(exist_ok=True)
+        os.environ.update(nccllog.debug_env(run_dir / RunDir.NCCL))
     deepspeed.init_distributed()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if acc.device_name() == "cuda":
@@ -119,8 +120,7 @@ def nccl_transports(dist, run_dir):
     """{node index (CROSS_RANK, hostfile order): what NCCL used there, every rank's own debug file
     read (dscnode.nccllog: a node with more GPUs than NICs has ranks whose channels never leave
     it) and merged}, on global rank 0; None elsewhere."""
-    from dscnode import nccllog  # noqa: PLC0415
-    path = run_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
+    path = run_dir / RunDir.NCCL / f"{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
     mine = (int(os.environ.get("CROSS_RANK", 0)), nccllog.transport(nccllog.read(path) if path.exists() else []))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

@@ -3,12 +3,12 @@
     <env python> -u dsc_node.pyz [--local_rank=N] entry --script FILE | --module NAME [ARGS...]
 
 and runs here, under the training env's python: the run's secrets and this node's own network
-settings into its environment,
+settings into its environment, on GPUs NCCL's INIT and NET lines kept (keep_nccl_lines),
 DeepSpeed's engine watched for progress (EngineWatch), its JIT op builds recorded (OpBuildWatch)
 and py-cpuinfo's answer kept for the node (CpuInfoOnce), all through an import hook, then the
 user's script or module in this process.
-It imports rundir.py and the standard library, nothing else of the package: its import cost is
-every rank's."""
+It imports rundir.py, ranktimes.py, nccllog.py and the standard library, nothing else of the
+package: its import cost is every rank's."""
 import atexit
 import importlib.util
 import json
@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from dscnode import nccllog
 from dscnode.ranktimes import RankTimes
 from dscnode.rundir import RunDir, secrets_file, write_atomic
 
@@ -362,6 +363,21 @@ def accelerate_on_cpu(module):
     state._prepare_backend = prepare_backend
 
 
+def keep_nccl_lines(environ, folder):
+    """On GPU ranks (the plan's DS_ACCELERATOR, or none given) whose NCCL_DEBUG is the plan's
+    default (WARN) and who name no debug file of their own: NCCL's INIT and NET lines, which say the transport it chose, kept per process in
+    the run directory for status.yml (dscnode.nccllog). A level set on purpose (dsc_nccl_debug,
+    dsc_rank_env) is left as it is, printed where the user asked."""
+    if environ.get("DS_ACCELERATOR", "cuda") != "cuda" or environ.get("NCCL_DEBUG", "WARN").upper() != "WARN" \
+            or environ.get("NCCL_DEBUG_FILE"):
+        return
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError:
+        return
+    environ.update(nccllog.debug_env(folder))
+
+
 def entry(args, local_rank=()):
     """A rank: the run's secrets and this node's network settings (node_env) into this process's
     environment (secrets never pass a command line), the progress hook, then the user's script or module run here as `python FILE` or
@@ -392,6 +408,7 @@ def entry(args, local_rank=()):
             patches["deepspeed.comm.torch"] = times
         patches["transformers.trainer_callback"] = watch.watch_trainer
         patches["deepspeed.ops.op_builder.builder"] = OpBuildWatch(RunDir(run_dir) / RunDir.OP_BUILDS)
+        keep_nccl_lines(os.environ, RunDir(run_dir) / RunDir.NCCL)
         (RunDir(run_dir) / RunDir.RANKS_STARTED).touch()
     sys.meta_path.insert(0, AfterImport(patches))
     sys.argv = [target] + list(local_rank) + rest

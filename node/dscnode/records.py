@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from dscnode import program
+from dscnode import nccllog, program
 from dscnode.procs import pid_alive, procs, ranks_of, started_by
 from dscnode.rundir import (
     HISTORY_LIMIT,
@@ -209,7 +209,19 @@ def status(run_dir, run_id):
             "stopped_by": stopped_by(run) if state == "stopped" else None,
             "stall_stacks": (read_json(run / RunDir.STALLED) or {}).get("stacks", []) if state == "stalled" else [],
             # the rank the others wait for, while it is so (the supervisor's, dscnode.stragglers)
-            "slow": read_json(run / RunDir.SLOW) if state in ("running", "stalled") else None}
+            "slow": read_json(run / RunDir.SLOW) if state in ("running", "stalled") else None,
+            "nccl": nccl_report(run)}
+
+
+def nccl_report(run):
+    """Which transport this node's GPU ranks of the current attempt chose, and their last NCCL
+    WARN (dscnode.nccllog, from the files the entry shim has NCCL write); None without such files."""
+    from dscnode.probe import rdma  # noqa: PLC0415 (probe imports this module)
+    try:
+        since = (run / RunDir.RANKS_STARTED).stat().st_mtime - 1  # the attempt's ranks started
+    except OSError:
+        return None
+    return nccllog.node_report(run / RunDir.NCCL, since, rdma())
 
 
 def op_build(run_dir, pids):

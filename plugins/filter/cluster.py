@@ -67,7 +67,19 @@ def status_row(st, master_state=None):
     # a DeepSpeed op its ranks are JIT-building (the wait before the first step, said as such)
     build = f", {st['op_build']['note']}" if (st.get("op_build") or {}).get("note") else ""
     return (f"{st.get('host', '?')}: {st.get('state', '?')}, ranks alive {st.get('ranks_alive', 0)}, "
-            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, {rate}, {tail}{peak_text}{build}")
+            f"step {last.get('step', '-')}, loss {last.get('loss', '-')}, {rate}, {tail}{peak_text}{build}"
+            f"{nccl_text(st.get('nccl'))}")
+
+
+def nccl_text(nccl):
+    """What NCCL chose on a node's GPUs (records.nccl_report), its warning with the fix, and the
+    last NCCL WARN its ranks wrote; "" where the node kept no NCCL lines (CPU ranks, or a
+    dsc_nccl_debug set on purpose)."""
+    if not nccl:
+        return ""
+    judged = f" (WARN: {nccl['fix']})" if nccl.get("status") == "WARN" else ""
+    warn = f"; last NCCL WARN: {nccl['warn']}" if nccl.get("warn") else ""
+    return f", NCCL {nccl.get('summary')}{judged}{warn}"
 
 
 def step_down_lines(st):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+from dscnode import nccllog  # node/dscnode, pure Python
 from dscplan.network import NETWORK_FIX, below_promise, promised  # plugins/module_utils/dscplan, pure Python
 
 # The oldest Linux driver each CUDA major release runs on (minor-version compatibility, from
@@ -364,23 +365,13 @@ def _allreduce_rows(ar, nodes):
 
 def transport_rows(ar, nodes):
     """What NCCL used on each node in the all-reduce (train.allreduce's "transport", GPU nodes
-    only): a WARN where the node has an ACTIVE RDMA port but NCCL sent over sockets, or used
-    InfiniBand without GPUDirect RDMA."""
+    only), judged against the node's RDMA ports (dscnode.nccllog.judge)."""
     rows = []
     for i, node in enumerate(nodes):
         t = ((ar or {}).get("transport") or {}).get(str(i))
-        if t is None:
-            continue
-        rdma = [f"{p['device']}/{p['port']}" for p in node.get("rdma") or [] if p.get("state") == "ACTIVE"]
-        status, fix = "PASS", ""
-        if rdma and ("Socket" in t["channels"] or (not t["channels"] and t["network"] == "Socket")):
-            status, fix = "WARN", (f"{node['name']} has ACTIVE RDMA ports ({', '.join(rdma)}) that NCCL left unused: "
-                                   "check NCCL_IB_DISABLE (the plan sets 1 unless every node has InfiniBand), "
-                                   "NCCL_IB_HCA, and that the env's NCCL finds libibverbs (rdma-core)")
-        elif t["gdr"] is False and "IB" in t["channels"]:
-            status, fix = "WARN", ("load nvidia-peermem (GPUDirect RDMA) on the node, and check "
-                                   "NCCL_NET_GDR_LEVEL against the GPU-NIC distance (nvidia-smi topo -m)")
-        rows.append(_row("nccl transport", node["name"], status, t["summary"], fix))
+        if t is not None:
+            status, fix = nccllog.judge(t, node.get("rdma"), node["name"])
+            rows.append(_row("nccl transport", node["name"], status, t["summary"], fix))
     return rows
 
 

@@ -1,11 +1,13 @@
 """Which transport NCCL chose, read from its INFO lines (dscnode.nccllog) as NCCL printed them in
 logs posted to public issues (tests/fixtures/nccl/, each file's first line its source), and
 preflight's row for each node (plugins/filter/preflight.py)."""
+import os
 from pathlib import Path
 
 import pytest
 
-from dscnode import nccllog
+from dscnode import entry, nccllog
+from plugins.filter import cluster as filters
 from plugins.filter import preflight
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nccl"
@@ -70,3 +72,47 @@ def test_a_nodes_ranks_merge_into_one_transport():
                             nccllog.transport(read("ib-gdr-channels.log"))])
     assert merged["network"] == "IB" and merged["channels"] == {"IB/GDRDMA": 2} and merged["gdr"] is True
     assert nccllog.summary(merged).startswith("NET/IB over mlx5_10:1/IB") and merged["devices"][0] == "mlx5_10:1/IB"
+
+
+def rank_file(folder, name, fixture, mtime):
+    """A rank's debug file as the entry shim has NCCL write it (nccl/<host>-<pid>.log)."""
+    path = folder / name
+    path.write_bytes((FIXTURES / fixture).read_bytes())
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_status_reads_the_current_attempts_files_and_their_last_warn(tmp_path):
+    """The last attempt's ranks spoke InfiniBand; this attempt's speak sockets and one warned.
+    Files of an earlier attempt (older than its ranks' start) are not read; links are refused."""
+    rank_file(tmp_path, "gpu-a-100.log", "ib-gdr-channels.log", 1000)
+    rank_file(tmp_path, "gpu-a-200.log", "socket-channels.log", 2000)
+    rank_file(tmp_path, "gpu-a-201.log", "socket-warn.log", 2001)
+    (tmp_path / "gpu-a-202.log").symlink_to(FIXTURES / "ib-bound.log")
+    r = nccllog.node_report(tmp_path, 1999, [])
+    assert r == {"summary": "NET/Socket", "status": "PASS", "fix": "", "warn":
+                 "socketStartConnect: Connect to 10.0.0.2<45763> failed : Software caused connection abort"}
+    ib = [{"device": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand"}]
+    judged = nccllog.node_report(tmp_path, 1999, ib)
+    assert judged["status"] == "WARN" and judged["fix"].startswith("this node has ACTIVE RDMA ports (mlx5_0/1)")
+    assert nccllog.node_report(tmp_path, 3000, []) is None  # no file of this attempt
+    assert nccllog.node_report(tmp_path / "none", 0, []) is None
+    row = filters.status_row({"host": "gpu-a", "state": "failed", "nccl": r})
+    assert row.endswith(", NCCL NET/Socket; last NCCL WARN: socketStartConnect: Connect to 10.0.0.2<45763> "
+                        "failed : Software caused connection abort")
+    assert ", NCCL NET/Socket (WARN: this node has ACTIVE RDMA ports" in filters.status_row({"host": "gpu-a", "nccl": judged})
+    assert "NCCL" not in filters.status_row({"host": "cpu-a", "nccl": None})
+
+
+@pytest.mark.parametrize("env,kept", [
+    ({"DS_ACCELERATOR": "cuda", "NCCL_DEBUG": "WARN"}, True),   # the plan's default
+    ({}, True),                                                 # a rank outside the plan, on a GPU
+    ({"DS_ACCELERATOR": "cpu", "NCCL_DEBUG": "WARN"}, False),   # gloo: no NCCL
+    ({"DS_ACCELERATOR": "cuda", "NCCL_DEBUG": "INFO"}, False),  # a level set on purpose prints where asked
+    ({"DS_ACCELERATOR": "cuda", "NCCL_DEBUG_FILE": "/x/%h.log"}, False),
+])
+def test_the_entry_shim_keeps_nccls_init_lines_only_where_the_level_is_the_default(tmp_path, env, kept):
+    before = dict(env)
+    entry.keep_nccl_lines(env, tmp_path / "nccl")
+    assert (env == dict(before, **nccllog.debug_env(tmp_path / "nccl"))) if kept else env == before
+    assert (tmp_path / "nccl").is_dir() is kept
