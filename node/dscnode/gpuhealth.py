@@ -31,6 +31,11 @@ APPLICATION_XIDS = {13: "a graphics engine exception", 31: "a GPU memory page fa
                     43: "a GPU that stopped processing", 45: "a preemptive cleanup"}
 XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]+:[0-9a-fA-F]+:[0-9a-fA-F]+)[^)]*\): (\d+),\s*(.*)")
 DRIVER_LOADED = "NVRM: loading NVIDIA"
+# A GPU the driver finds off the bus when it probes it: one message of three lines and no Xid,
+# "NVRM: The NVIDIA GPU 0000:b3:00.0" / "NVRM: (PCI ID: 10de:26b5) installed in this system has" /
+# "NVRM: fallen off the bus and is not responding to commands." (tests/fixtures/gpu/kernel-xid/)
+PROBED_GPU = re.compile(r"NVRM: The NVIDIA GPU ([0-9a-fA-F]+:[0-9a-fA-F]+:[0-9a-fA-F]+\.?[0-7]?)")
+FELL_OFF = "fallen off the bus and is not responding to commands"
 
 # Clock event reasons (nvidia-smi <clocks_event_reasons>, <clocks_throttle_reasons> before driver
 # 535): those the hardware imposes fail, the software's thermal or power cap warns; idle, the
@@ -112,15 +117,26 @@ def _width(t):
 
 def xids(log):
     """The Xid events since the NVIDIA driver last loaded (a reboot, or the module reloaded, is
-    how a fatal one is cleared), each with its PCI address and text."""
-    out = []
+    how a fatal one is cleared), each with its PCI address and text. A GPU found off the bus by the
+    driver's probe counts as Xid 79 (probe: True); the driver probes before it prints its loading
+    line, so such a GPU belongs to the load that follows it."""
+    out, probed, gpu = [], [], None
     for line in log.splitlines():
         if DRIVER_LOADED in line:
-            out = []
+            out, probed = probed, []
             continue
         m = XID.search(line)
         if m:
             out.append({"bus": _bus(m.group(1)), "code": int(m.group(2)), "text": m.group(3).strip()[:200]})
+            continue
+        m = PROBED_GPU.search(line)
+        gpu = m.group(1) if m else gpu
+        if gpu and FELL_OFF in line:
+            e = {"bus": _bus(gpu), "code": 79, "probe": True,
+                 "text": f"NVRM: The NVIDIA GPU {gpu} ... has {FELL_OFF}"}
+            out.append(e)
+            probed.append(e)
+            gpu = None
     return out
 
 
@@ -197,8 +213,10 @@ def xid_finding(e, gpus, used):
     i = g["index"] if g else None
     where = f"GPU {i}" if g else "a GPU at PCI " + ":".join(f"{x:02x}" for x in e["bus"] or ())
     if e["code"] in FATAL_XIDS:
+        what = f"{where}: Xid {e['code']}, {FATAL_XIDS[e['code']]}, since the driver loaded" if not e.get("probe") \
+            else f"{where}: off the bus when the driver loaded (no Xid logged; judged as Xid 79)"
         return {"gpu": i, "status": "FAIL" if i is None or i in used else "WARN",
-                "what": f"{where}: Xid {e['code']}, {FATAL_XIDS[e['code']]}, since the driver loaded ({e['text']})",
+                "what": f"{what} ({e['text']})",
                 "fix": "drain the node and reset or replace the GPU; the kernel log keeps the Xid until "
                        "the node reboots or the NVIDIA driver reloads"}
     return {"gpu": i, "status": "WARN",
