@@ -152,15 +152,18 @@ def container_tier(args):
     together; with no run recorded (a fresh clone, CI), by molecule/tests/durations.json, a whole
     run's seconds per file kept with the tests. With
     args naming files or tests (molecule/tests/...), those alone; with other args (a -k), the whole
-    tier's files."""
+    tier's files. Whatever the durations or args, test_molecule.py goes first, to the first worker:
+    molecule/tests/conftest.py puts its test ahead of the collection, and --no-loadscope-reorder
+    keeps the workers to the collection's order (xdist's own puts files with more tests first),
+    so that its idempotence run follows its cluster's provision with nothing between."""
     where = ["molecule/tests"]
     seconds = timings.last_file_seconds() or json.loads(DURATIONS.read_text())
     if any(a.startswith("molecule/tests/") for a in args):
         where = []
     elif seconds:
         names = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "molecule/tests").glob("test_*.py"))
-        where = ["--no-loadscope-reorder", *sorted(names, key=lambda f: -seconds.get(f, float("inf")))]
-    return [PYTEST, "-n", "2", "--dist", "loadfile", *where, "-v", "-rs", "--durations=15",
+        where = sorted(names, key=lambda f: -seconds.get(f, float("inf")))
+    return [PYTEST, "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", *where, "-v", "-rs", "--durations=15",
             "-p", "no:cacheprovider", "--basetemp=.cache/pytest-tmp", *args]
 
 

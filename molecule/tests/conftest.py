@@ -51,6 +51,30 @@ def provisioned(cluster, node_image):
     return {"bare": node_image[1], "cluster": r.output}
 
 
+# test_molecule.py's idempotence run must follow the `provisioned` fixture's provision with nothing
+# run on the cluster between (the other files change what provision checks: test_own_scripts
+# installs requirements into the env, test_trust plants and removes files in it): its test goes
+# ahead of every other in the collection. Under xdist the workers take the files in the
+# collection's order where --no-loadscope-reorder says so (scripts/suite.py does), so the first
+# worker starts on its own cluster with it.
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name != "test_molecule.py")
+
+
+_started = []  # the tests this session (under xdist: this worker, on its own cluster) set up, in order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _started.append(item.nodeid)
+
+
+@pytest.fixture
+def earlier_tests(request):
+    """The tests this session ran on its cluster before the one asking."""
+    return _started[:_started.index(request.node.nodeid)]
+
+
 FIGURES = Path(os.environ.get("DSC_TEST_FIGURES", ROOT / ".cache" / "test-figures.jsonl"))
 
 

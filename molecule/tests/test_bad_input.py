@@ -5,30 +5,37 @@ import json
 
 import pytest
 
+# Each case refused whole in one run: the plan names every problem at once, so each run holds
+# several variables (each in one case), and every needle of each must be there. dsc_run_root's
+# three values a run each; /var/lib/dpkg as the install root beside another run root (the plan
+# names a path once). The argument spec's types and choices fail before the plan: their own run.
 CASES = [
-    ({"dsc_slots": 0}, ["dsc_slots on host node1 is 0", "dsc_slots on host node2 is 0", "Fix:"]),
-    ({"dsc_master_port": 29510, "dsc_master_port_last": 29500}, ["dsc_master_port_last on host node1 is 29500"]),
-    ({"dsc_master_port": "http"}, ["dsc_master_port", "Validation of arguments failed"]),
-    ({"dsc_rank_env": {"NCCL_DEBUG": "WARN$(touch /tmp/pwned)"}}, ["the value of NCCL_DEBUG is 'WARN$(touch /tmp/pwned)'"]),
-    ({"dsc_pip_index_url": "https://mirror/simple --trusted-host evil;touch /tmp/pwned"},
-     ["dsc_pip_index_url on host node1 is 'https://mirror/simple --trusted-host evil;touch /tmp/pwned'"]),
-    ({"cluster_network_ssh_sources": ["10.0.0.1 comment x;touch /tmp/pwned"]},
-     ["cluster_network_ssh_sources on host node1 is ['10.0.0.1 comment x;touch /tmp/pwned']"]),
-    ({"cluster_network_firewall_backend": "iptables"},
-     ["value of cluster_network_firewall_backend must be one of: auto, ufw, firewalld, got: iptables",
-      "fatal: [node1]"]),
-    # A trailing newline (a second argument to a command line) and a system directory as a root.
-    ({"dsc_run_root": "/opt/dscluster/runs\n"}, ["dsc_run_root on host node1 holds a control character ('\\n')"]),
-    ({"dsc_run_root": "/etc"}, ["dsc_run_root on host node1 is '/etc', in the system tree /etc"]),
-    # A directory of the system's the toolkit did not make (dpkg's maintainer scripts run as root).
-    ({"dsc_install_root": "/var/lib/dpkg"},
-     ["dsc_install_root on host node1: root writes /var/lib/dpkg, and it exists and is owned by root, not dstrain",
-      "dsc_install_root on host node2: root writes /var/lib/dpkg"]),
-    ({"dsc_run_root": "/var/lib/dpkg"}, ["dsc_run_root on host node1: root writes /var/lib/dpkg, and it exists and is owned by root"]),
-    ({"dsc_slurm_install": True, "dsc_slurm_partition": "dsc;touch /tmp/pwned",
+    # A trailing newline (a second argument to a command line).
+    ({"dsc_run_root": "/opt/dscluster/runs\n", "dsc_slots": 0, "dsc_master_port": 29510, "dsc_master_port_last": 29500,
+      "dsc_rank_env": {"NCCL_DEBUG": "WARN$(touch /tmp/pwned)"}},
+     ["dsc_run_root on host node1 holds a control character ('\\n')",
+      "dsc_slots on host node1 is 0", "dsc_slots on host node2 is 0", "Fix:",
+      "dsc_master_port_last on host node1 is 29500",
+      "the value of NCCL_DEBUG is 'WARN$(touch /tmp/pwned)'"]),
+    # A system directory as a root; a directory of the system's the toolkit did not make (dpkg's
+    # maintainer scripts run as root).
+    ({"dsc_run_root": "/etc", "dsc_install_root": "/var/lib/dpkg",
+      "dsc_pip_index_url": "https://mirror/simple --trusted-host evil;touch /tmp/pwned",
+      "cluster_network_ssh_sources": ["10.0.0.1 comment x;touch /tmp/pwned"]},
+     ["dsc_run_root on host node1 is '/etc', in the system tree /etc",
+      "dsc_install_root on host node1: root writes /var/lib/dpkg, and it exists and is owned by root, not dstrain",
+      "dsc_install_root on host node2: root writes /var/lib/dpkg",
+      "dsc_pip_index_url on host node1 is 'https://mirror/simple --trusted-host evil;touch /tmp/pwned'",
+      "cluster_network_ssh_sources on host node1 is ['10.0.0.1 comment x;touch /tmp/pwned']"]),
+    ({"dsc_run_root": "/var/lib/dpkg", "dsc_slurm_install": True, "dsc_slurm_partition": "dsc;touch /tmp/pwned",
       "dsc_slurm_account": "$(touch /tmp/pwned)"},
-     ["dsc_slurm_partition on host node1 is 'dsc;touch /tmp/pwned'",
+     ["dsc_run_root on host node1: root writes /var/lib/dpkg, and it exists and is owned by root",
+      "dsc_slurm_partition on host node1 is 'dsc;touch /tmp/pwned'",
       "dsc_slurm_account on host node1 is '$(touch /tmp/pwned)'"]),
+    ({"dsc_master_port": "http", "cluster_network_firewall_backend": "iptables"},
+     ["Validation of arguments failed", "argument 'dsc_master_port' is of type str and we were unable to convert to int",
+      "value of cluster_network_firewall_backend must be one of: auto, ufw, firewalld, got: iptables",
+      "fatal: [node1]"]),
 ]
 
 

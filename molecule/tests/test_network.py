@@ -84,38 +84,6 @@ def _what_the_outsider_reaches(cluster):
     return {(fam, what): i in reached for i, (fam, what, _, _) in enumerate(probes)}
 
 
-def test_an_outsider_reaches_only_what_the_inbound_policy_opens(provisioned, cluster):
-    """docs/firewall.md's promise from an outsider on the cluster's network, over IPv4 and IPv6. By
-    default (the toolkit enabled ufw itself, over SSH) inbound is denied: SSH, the master ports and
-    a rank's ephemeral port are closed to it, open to the cluster. cluster_network_default_deny
-    false keeps a site's allow policy: SSH and the ephemeral port open to everyone, the master
-    ports still closed. true switches it to deny again."""
-    master, worker, h = cluster.master, cluster.names[1], cluster.info["hosts"][0]
-    assert "Default: deny (incoming)" in cluster.exec(master, "ufw status verbose").stdout
-    reached = _what_the_outsider_reaches(cluster)
-    closed = {k: False for k in reached}
-    assert len(closed) == 6 and reached == closed, reached
-    cluster.listen(master, EPHEMERAL)
-    try:
-        for port in (h["port"], EPHEMERAL):  # the cluster still reaches both
-            assert cluster.exec(worker, f"nc -z -w 3 {h['ip']} {port}", check=False).returncode == 0, port
-    finally:
-        cluster.stop_listening(master)
-    try:
-        cluster.exec(master, "ufw default allow incoming")  # a site whose policy is allow
-        kept = cluster.playbook("provision.yml", "--tags", "network", "-e", "cluster_network_default_deny=false")
-        assert kept.returncode == 0, kept.output[-3000:]
-        assert "Default: allow (incoming)" in cluster.exec(master, "ufw status verbose").stdout
-        opened = _what_the_outsider_reaches(cluster)
-        assert opened == {**closed, ("v4", "ssh"): True, ("v6", "ssh"): True,
-                          ("v4", "ephemeral"): True, ("v6", "ephemeral"): True}, opened
-    finally:
-        denied = cluster.playbook("provision.yml", "--tags", "network", "-e", "cluster_network_default_deny=true")
-        assert denied.returncode == 0, denied.output[-3000:]
-    assert "Default: deny (incoming)" in cluster.exec(master, "ufw status verbose").stdout
-    assert _what_the_outsider_reaches(cluster) == closed
-
-
 # What a site's admin typed on the master after the toolkit's provision (the test network's
 # subnets: the outsider's addresses are in them).
 STALE = SUBNET.rsplit(".", 1)[0] + ".99"  # an address in no container
@@ -137,30 +105,58 @@ SITE_CLEANUP = [
 ]
 
 
-def test_firewall_goes_ahead_of_an_active_sites_rules_over_ipv4_and_ipv6(provisioned, cluster):
-    """The site's own rules put ahead of the toolkit's on an active ufw let the outsider reach the
-    master port over IPv4 and IPv6; provision.yml (its network part, --tags network: the same
-    cluster_network role a whole provision runs) puts the toolkit's rules first again (SSH, the
-    cluster, the master port deny, per family), replaces the site's rule that has the same match
-    as its deny, keeps the site's others after its own, and removes its stale rule."""
-    master, h = cluster.master, cluster.info["hosts"][0]
+def test_an_outsider_reaches_only_what_the_inbound_policy_opens_and_the_toolkits_rules_lead_a_sites(
+        provisioned, cluster):
+    """docs/firewall.md's promise from an outsider on the cluster's network, over IPv4 and IPv6. By
+    default (the toolkit enabled ufw itself, over SSH) inbound is denied: SSH, the master ports and
+    a rank's ephemeral port are closed to it, open to the cluster. cluster_network_default_deny
+    false keeps a site's allow policy: SSH and the ephemeral port open to everyone, the master
+    ports still closed. The site's own rules then put ahead of the toolkit's on the active ufw let
+    the outsider reach the master port over IPv4 and IPv6; provision.yml with
+    cluster_network_default_deny true (its network part, --tags network: the same cluster_network
+    role a whole provision runs) switches the policy to deny again, puts the toolkit's rules first
+    again (SSH, the cluster, the master port deny, per family), replaces the site's rule that has
+    the same match as its deny, keeps the site's others after its own, and removes its stale rule:
+    the outsider reaches nothing, a cluster node the master port."""
+    master, worker, h = cluster.master, cluster.names[1], cluster.info["hosts"][0]
+    assert "Default: deny (incoming)" in cluster.exec(master, "ufw status verbose").stdout
+    reached = _what_the_outsider_reaches(cluster)
+    closed = {k: False for k in reached}
+    assert len(closed) == 6 and reached == closed, reached
+    cluster.listen(master, EPHEMERAL)
     try:
+        for port in (h["port"], EPHEMERAL):  # the cluster still reaches both
+            assert cluster.exec(worker, f"nc -z -w 3 {h['ip']} {port}", check=False).returncode == 0, port
+    finally:
+        cluster.stop_listening(master)
+    restored = False
+    try:
+        cluster.exec(master, "ufw default allow incoming")  # a site whose policy is allow
+        kept = cluster.playbook("provision.yml", "--tags", "network", "-e", "cluster_network_default_deny=false")
+        assert kept.returncode == 0, kept.output[-3000:]
+        assert "Default: allow (incoming)" in cluster.exec(master, "ufw status verbose").stdout
+        opened = _what_the_outsider_reaches(cluster)
+        assert opened == {**closed, ("v4", "ssh"): True, ("v6", "ssh"): True,
+                          ("v4", "ephemeral"): True, ("v6", "ephemeral"): True}, opened
+
         for cmd in SITE_RULES:
             cluster.exec(master, cmd)
         before = _numbered(cluster, master)
         assert _first(before, "site lan") == 1, before
-        cluster.listen(cluster.master)
+        cluster.listen(master)
         try:
             # The site's rules win: the setup means something.
             assert _outsider_reaches(cluster, h["ip"]), before
             assert _outsider_reaches(cluster, h["ip6"], v6=True), before
         finally:
-            cluster.stop_listening(cluster.master)
+            cluster.stop_listening(master)
 
-        r = cluster.playbook("provision.yml", "--tags", "network", timeout=900)
-        assert r.returncode == 0, r.output[-5000:]
+        denied = cluster.playbook("provision.yml", "--tags", "network", "-e", "cluster_network_default_deny=true",
+                                  timeout=900)
+        assert denied.returncode == 0, denied.output[-5000:]
+        restored = True
         # The deletions' loop labels (printed as they are): the site's IPv6 allow, the stale rule.
-        assert "same match as a toolkit rule: [" in r.output and "stale: [" in r.output, r.output[-5000:]
+        assert "same match as a toolkit rule: [" in denied.output and "stale: [" in denied.output, denied.output[-5000:]
 
         after = _numbered(cluster, master)
         text = "\n".join(line for _, line in after)
@@ -177,17 +173,19 @@ def test_firewall_goes_ahead_of_an_active_sites_rules_over_ipv4_and_ipv6(provisi
         assert "ALLOW IN    Anywhere (v6)" not in text and "29500:29510/tcp            ALLOW IN    Anywhere" not in text, text
         assert STALE not in text, text
 
-        cluster.listen(cluster.master)
+        assert "Default: deny (incoming)" in cluster.exec(master, "ufw status verbose").stdout
+        assert _what_the_outsider_reaches(cluster) == closed  # the site's LAN rules too come after the deny
+        cluster.listen(master)
         try:
-            assert not _outsider_reaches(cluster, h["ip"]), "the outsider reached the master port over IPv4"
-            assert not _outsider_reaches(cluster, h["ip6"], v6=True), "the outsider reached the master port over IPv6"
-            ok = cluster.exec(cluster.names[1], f"nc -z -w 3 {h['ip']} 29500", check=False)
+            ok = cluster.exec(worker, f"nc -z -w 3 {h['ip']} 29500", check=False)
             assert ok.returncode == 0, "a cluster node no longer reaches the master port"
         finally:
-            cluster.stop_listening(cluster.master)
+            cluster.stop_listening(master)
     finally:
         for cmd in SITE_CLEANUP:
             cluster.exec(master, cmd, check=False)
+        if not restored:  # deny again, the toolkit's rules first, for the tests after this one
+            cluster.playbook("provision.yml", "--tags", "network", "-e", "cluster_network_default_deny=true")
 
 
 def test_no_host_key_checking_is_disabled_anywhere():

@@ -14,7 +14,8 @@ def test_training_user_owns_the_env(host):
 
 
 def test_torch_and_deepspeed_import_with_the_pinned_versions(host):
-    out = host.check_output(f"{ENV}/bin/python -c 'import json, torch, deepspeed; "
+    # as the training user, as its ranks import them (root never runs the env: test_privilege.py)
+    out = host.check_output(f"sudo -u dstrain {ENV}/bin/python -c 'import json, torch, deepspeed; "
                             "print(json.dumps([torch.__version__, deepspeed.__version__]))'")
     assert json.loads(out.strip().splitlines()[-1]) == [PINS["TORCH_VERSION"] + "+cpu", PINS["DEEPSPEED_VERSION"]]
 
@@ -25,6 +26,6 @@ def test_ds_report_kept_and_jit_cache_warm(host):
     assert "fused_adam.so" in built and "deepspeed_shm_comm.so" in built
 
 
-def test_pdsh_and_compiler_present(host):
-    for pkg in ("pdsh", "g++", "ninja-build", "python3-dev"):
+def test_base_packages_installed(host):
+    for pkg in ("pdsh", "tmux", "iperf3", "g++", "ninja-build", "python3-dev"):
         assert host.package(pkg).is_installed, pkg
