@@ -8,6 +8,7 @@ warm-up (warm.py).
 
     rundir.py      the run directory's layout (RunDir), its secrets, atomic writes, reads that follow no link
     entry.py       the entry shim: the run's secrets, DeepSpeed's engine watched and its JIT op builds recorded, the user's script
+    complete.py    checkpoints complete on every node: the shim's marks after each save, the tag a load agrees on
     ranktimes.py   each rank's time in DeepSpeed's collectives against its steps, gathered every window (the shim installs it)
     stragglers.py  which rank the others wait for, judged from those windows (the supervisor's slow-rank mark)
     procs.py       a run's processes (found, signalled, stopped), pid files, op-build locks
@@ -21,7 +22,7 @@ warm-up (warm.py).
     stacks.py      where each rank is (py-spy), read at a stall or on demand, and their summary
     ncclras.py     NCCL's RAS asked at a stall on GPU nodes: the rank whose collectives are behind
     gpuhealth.py   the GPU gate: a node's GPUs judged before a launch or a restart
-    nccllog.py     which transport NCCL chose, from its INFO lines (preflight's all-reduce)
+    nccllog.py     which transport NCCL chose, from its INFO lines (preflight's all-reduce, status during training)
     pairs.py       every pair of nodes once, in rounds (doctor.yml)
     safe.py        what may reach a command line on the nodes
     cli.py         the command line: one sub-command per action, each printing one JSON object

@@ -243,9 +243,10 @@ def _stop(a):
 
 
 def _status(a):
+    from dscnode.probe import rdma
     from dscnode.records import node_states, status, wait_for_end
     wait_for_end(a.run_dir, a.wait)
-    st = status(a.run_dir, a.run_id)
+    st = status(a.run_dir, a.run_id, rdma())
     if a.hosts:
         st["nodes"] = node_states(a.run_dir, a.run_id, a.hosts.split(","), st)
     print(json.dumps(st))

@@ -7,7 +7,7 @@ settings into its environment, on GPUs NCCL's INIT and NET lines kept (keep_nccl
 DeepSpeed's engine watched for progress (EngineWatch), its JIT op builds recorded (OpBuildWatch)
 and py-cpuinfo's answer kept for the node (CpuInfoOnce), all through an import hook, then the
 user's script or module in this process.
-It imports rundir.py, ranktimes.py, nccllog.py and the standard library, nothing else of the
+It imports rundir.py, ranktimes.py, nccllog.py, complete.py and the standard library, nothing else of the
 package: its import cost is every rank's."""
 import atexit
 import importlib.util
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from dscnode import nccllog
+from dscnode import complete, nccllog
 from dscnode.ranktimes import RankTimes
 from dscnode.rundir import RunDir, secrets_file, write_atomic
 
@@ -62,6 +62,9 @@ class EngineWatch:
       node) DeepSpeed has each node's local rank 0 save the shared state, but writes the
       `latest` tag on global rank 0 only, so load_checkpoint(tag=None) - HF's Trainer and
       accelerate resume that way - fails on every other node. Their local rank 0 writes it too.
+    - checkpoints complete across the cluster: each save's tag is marked complete once DeepSpeed's
+      save returns, and a load without a tag takes the newest tag complete on every node
+      (dscnode.complete), not a node's own `latest`.
     Applied when deepspeed.runtime.engine is imported (AfterImport), whoever imports it (the
     script, HF's Trainer, accelerate)."""
 
@@ -116,8 +119,8 @@ class EngineWatch:
         handler.on_train_begin = on_train_begin
 
     def patch(self, engine_class):
-        init, backward, step, save, hook = (engine_class.__init__, engine_class.backward, engine_class.step,
-                                            engine_class.save_checkpoint, self)
+        init, backward, step, save, load, hook = (engine_class.__init__, engine_class.backward, engine_class.step,
+                                                  engine_class.save_checkpoint, engine_class.load_checkpoint, self)
 
         def reporting_init(engine, *args, **kwargs):
             init(engine, *args, **kwargs)
@@ -145,13 +148,28 @@ class EngineWatch:
         def node_local_save(engine, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006
             tag = tag if tag is not None else f"global_step{engine.global_steps}"
             out = save(engine, save_dir, tag, client_state, save_latest, **kwargs)
-            if save_latest and engine.use_node_local_storage() and engine.local_rank == 0 \
-                    and engine.global_rank != 0:
-                write_atomic(Path(save_dir) / "latest", str(tag))
+            # DeepSpeed's save ends at a barrier: every rank's part is written, on every node
+            if engine.local_rank == 0 and (engine.use_node_local_storage() or engine.global_rank == 0):
+                if save_latest and engine.global_rank != 0:
+                    write_atomic(Path(save_dir) / "latest", str(tag))
+                complete.mark(save_dir, tag)
             return out
+
+        def agreed_load(engine, load_dir, tag=None, *args, **kwargs):
+            if tag is None and not engine.load_universal_checkpoint():
+                import torch.distributed as dist  # noqa: PLC0415 - loaded with the engine already
+                everyone = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, complete.tags(load_dir))
+                tag = complete.agreed(everyone)
+                if tag == "":
+                    if engine.global_rank == 0:
+                        print(f"dsc_node: no checkpoint in {load_dir} is complete on every node "
+                              f"({complete.MARKS}); starting without one", file=sys.stderr, flush=True)
+                    return None, None  # as DeepSpeed answers where there is no checkpoint
+            return load(engine, load_dir, tag, *args, **kwargs)
         engine_class.__init__ = reporting_init
         engine_class.backward, engine_class.step = watched_backward, watched_step
-        engine_class.save_checkpoint = node_local_save
+        engine_class.save_checkpoint, engine_class.load_checkpoint = node_local_save, agreed_load
         atexit.register(lambda: self.step != self.written_step and self.write())
 
     def record_engine(self, engine):

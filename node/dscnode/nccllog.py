@@ -6,7 +6,7 @@ GPUDirect RDMA, the NIC reading GPU memory itself; without it NCCL stages throug
 
 preflight.yml's and doctor.yml's all-reduce (train.allreduce) keeps each rank's lines and says
 per node what NCCL used; preflight warns where a node has an ACTIVE RDMA port but NCCL used sockets.
-A training run's ranks on GPUs keep the same lines in the run directory's nccl/ (the entry shim,
+A training run's ranks on GPUs keep the same lines in the run directory's nccl_debug/ (the entry shim,
 where the run leaves NCCL_DEBUG at its default WARN), and status.yml says the same per node."""
 import re
 

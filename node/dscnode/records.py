@@ -160,7 +160,9 @@ def _small(path):
         return None
 
 
-def status(run_dir, run_id):
+def status(run_dir, run_id, rdma=()):
+    """The run's state on this node, and what it recorded; `rdma`: this node's RDMA ports
+    (probe.rdma), against which NCCL's transport is judged."""
     run = RunDir(run_dir)
     ps = procs(run_id)
     launcher = pid_alive(run / RunDir.PID)
@@ -210,18 +212,17 @@ def status(run_dir, run_id):
             "stall_stacks": (read_json(run / RunDir.STALLED) or {}).get("stacks", []) if state == "stalled" else [],
             # the rank the others wait for, while it is so (the supervisor's, dscnode.stragglers)
             "slow": read_json(run / RunDir.SLOW) if state in ("running", "stalled") else None,
-            "nccl": nccl_report(run)}
+            "nccl": nccl_report(run, rdma)}
 
 
-def nccl_report(run):
+def nccl_report(run, rdma):
     """Which transport this node's GPU ranks of the current attempt chose, and their last NCCL
     WARN (dscnode.nccllog, from the files the entry shim has NCCL write); None without such files."""
-    from dscnode.probe import rdma  # noqa: PLC0415 (probe imports this module)
     try:
         since = (run / RunDir.RANKS_STARTED).stat().st_mtime - 1  # the attempt's ranks started
     except OSError:
         return None
-    return nccllog.node_report(run / RunDir.NCCL, since, rdma())
+    return nccllog.node_report(run / RunDir.NCCL, since, rdma)
 
 
 def op_build(run_dir, pids):

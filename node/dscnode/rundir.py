@@ -53,7 +53,7 @@ class RunDir:
     OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)
     RANKS = "ranks.jsonl"         # every window of steps, each rank's step and collective times (entry, rank 0)
     SLOW = "slow.json"            # the rank the others wait for, while it is so (the supervisor)
-    NCCL = "nccl"                 # each GPU rank's NCCL INIT and NET lines, <host>-<pid>.log (entry, dscnode.nccllog)
+    NCCL = "nccl_debug"           # each GPU rank's NCCL INIT and NET lines, <host>-<pid>.log (entry, dscnode.nccllog)
 
     @staticmethod
     def step_config(index):

@@ -173,3 +173,55 @@ def test_the_rank_the_others_wait_for_is_named_in_every_zero_stage(tmp_path, pre
         # beyond what rank 1 waits (on this busy machine a descheduled rank waits too: relative)
         assert slow["compute_s"] >= 0.2 and fast["comm_s"] - slow["comm_s"] >= 0.15, w
         assert fast["calls"] >= 1 and slow["calls"] == fast["calls"], w
+
+
+def two_nodes(tmp_path, *args):
+    """The checkpoint loop on two "nodes" of this machine, one rank each (torchrun's --nnodes 2),
+    each in its own folder with node-local checkpoints, through the entry shim: what each loaded."""
+    cfg = ds(1, optimizer={"type": "AdamW", "params": {"lr": 0.001, "torch_adam": True}},
+             checkpoint={"use_node_local_storage": True})
+    (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
+    port = str(29900 + os.getpid() % 90)
+    env = dict(os.environ, **NODE_PATH, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PATH=f"{VENV / 'bin'}:{os.environ['PATH']}")
+    procs = []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir(exist_ok=True)
+        procs.append(subprocess.Popen(
+            [str(VENV / "bin" / "python"), "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
+             "-m", "dscnode", "entry", "--script", str(ROOT / "tests/fixtures/checkpoint_loop.py"),
+             "--deepspeed_config", str(tmp_path / "ds_config.json"), *args],
+            cwd=tmp_path / f"node{node}", env=dict(env, DSC_RUN_DIR=str(tmp_path / f"node{node}")), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    return [json.loads((tmp_path / f"node{n}" / "loaded.json").read_text()) for n in (0, 1)], outs
+
+
+def test_a_resume_takes_the_newest_checkpoint_complete_on_every_node(tmp_path):
+    """A DeepSpeed-style loop saves global_step4 and global_step8 on both nodes, each tag marked
+    complete there once DeepSpeed's save returned. Node 1's global_step8 is then cut short as a node
+    lost mid-save leaves it: a part gone, no mark, its `latest` still global_step4, while node 0's
+    `latest` (written by global rank 0 before DeepSpeed's closing barrier) says global_step8. A load
+    without a tag resumes both ranks from global_step4; DeepSpeed's own `latest` would have had
+    node 0 at step 8 and node 1 at step 4."""
+    first, _ = two_nodes(tmp_path, "--steps", "8", "--save-every", "4")
+    assert [(r["loaded"], r["end"]) for r in first] == [(None, 8), (None, 8)]
+    for n in (0, 1):
+        ckpt = tmp_path / f"node{n}" / "ckpt"
+        assert (ckpt / "complete_tags").read_text().split() == ["global_step4", "global_step8"]
+    cut = tmp_path / "node1" / "ckpt"
+    (cut / "complete_tags").write_text("global_step4\n")
+    (cut / "latest").write_text("global_step4")
+    for f in (cut / "global_step8").glob("*optim_states*"):
+        f.unlink()
+    assert (tmp_path / "node0" / "ckpt" / "latest").read_text() == "global_step8"
+    again, _ = two_nodes(tmp_path, "--steps", "10", "--save-every", "4")
+    assert [(r["loaded_step"], r["end"]) for r in again] == [(4, 10), (4, 10)], again
+    assert all("/global_step4/" in r["loaded"] for r in again), again
+    # no tag complete on every node: both start over, saying why
+    (cut / "complete_tags").write_text("global_step8\n")
+    (tmp_path / "node0" / "ckpt" / "complete_tags").write_text("global_step4\n")
+    fresh, outs = two_nodes(tmp_path, "--steps", "2", "--save-every", "4")
+    assert [(r["loaded"], r["loaded_step"]) for r in fresh] == [(None, 0), (None, 0)]
+    assert "no checkpoint in ckpt is complete on every node" in outs[0]

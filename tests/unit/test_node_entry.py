@@ -115,6 +115,9 @@ class FakeEngine:
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
         return None
 
+    def load_checkpoint(self, load_dir, tag=None):
+        return None, None
+
 
 class FakeLoss:
     def __init__(self, value):
@@ -211,6 +214,9 @@ def test_each_rank_records_its_peak_after_its_first_steps_and_status_sets_it_aga
 
         def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
             return None
+
+        def load_checkpoint(self, load_dir, tag=None):
+            return None, None
     peaks = {0: 60 * gib, 1: 72 * gib}
     monkeypatch.setattr(entry, "peak_allocated", lambda engine: peaks[engine.global_rank])
     watch = entry.EngineWatch(run / "progress.jsonl", measured=run / "memory.jsonl")
