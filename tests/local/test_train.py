@@ -6,6 +6,7 @@ from the offline wheelhouse (scripts/test.sh, before the local tier). They need 
 """
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -23,6 +24,14 @@ pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
 NODE_PATH = {"PYTHONPATH": str(ROOT / "node")}
 
 
+def free_port():
+    """A port no process listens on now (the kernel's pick): a fixed one collides with whatever
+    else this machine runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True, program=("train.run",), env=None):
     """DeepSpeed's launcher over `ranks` gloo ranks of `program` (python -m's arguments: train.run,
     or the node helper's entry shim and a script), with train.run's --set options."""
@@ -34,8 +43,7 @@ def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True, pr
     env = dict(os.environ, **NODE_PATH, DSC_RUN_DIR=str(run_dir), DS_ACCELERATOR="cpu", LOCAL_SIZE=str(ranks),
                PATH=f"{VENV / 'bin'}:{os.environ['PATH']}",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"), OMP_NUM_THREADS="1", **(env or {}))
-    cmd = [str(VENV / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
-           str(29700 + os.getpid() % 200), "--module", *program,
+    cmd = [str(VENV / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port", free_port(), "--module", *program,
            "--deepspeed_config", str(run_dir / "ds_config.json")]
     for s in sets:
         cmd += ["--set", s]
@@ -181,7 +189,7 @@ def two_nodes(tmp_path, *args):
     cfg = ds(1, optimizer={"type": "AdamW", "params": {"lr": 0.001, "torch_adam": True}},
              checkpoint={"use_node_local_storage": True})
     (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
-    port = str(29900 + os.getpid() % 90)
+    port = free_port()
     env = dict(os.environ, **NODE_PATH, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PATH=f"{VENV / 'bin'}:{os.environ['PATH']}")
     procs = []
