@@ -5,8 +5,8 @@
 # STATUS, text and JSON, asked on its client port while the communicator lives.
 #
 #   bench/gpu_capture.sh        -> $OUT/capture-<gpu>.tar.gz (default OUT ./gpu-results)
-# tests/fixtures/gpu/h100-two-gpus.xml is written after nvidia-smi's DTD; a capture from this
-# script replaces it (each fault in tests/unit/test_gpu_health.py stays one edit of that file).
+# tests/fixtures/gpu/h100-capture.xml is this script's nvidia-smi-q-x.xml from an H100 (each fault in
+# tests/unit/test_gpu_health.py is one edit of it); tests/fixtures/nccl/README.md lists what it took of NCCL.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-results}; mkdir -p "$out"; d=$(mktemp -d)
 . "$(dirname "$0")/gpu_ansible.sh"  # py, repo_path (no Ansible here)

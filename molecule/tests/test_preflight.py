@@ -170,11 +170,11 @@ def test_launch_runs_the_fast_checks_first_and_can_skip_them(provisioned, cluste
 
 
 # No test node has a GPU: the worker gets an nvidia-smi that answers as a node with one H100 does,
-# its XML tests/fixtures/gpu/h100-two-gpus.xml cut to GPU 0 with a row remapping pending (the one
+# its XML a real H100's (tests/fixtures/gpu/h100-capture.xml) with a row remapping pending (the one
 # edit), so that the plan sees a GPU there and the gate reads a fault on it.
 FAKE_NVIDIA_SMI = """#!/bin/sh
 case "$*" in
-  *--query-gpu=*) echo "0, 9.0, 580.95.05, 81559" ;;
+  *--query-gpu=*) echo "0, 9.0, 580.159.04, 81559" ;;
   "-q -x") cat /usr/local/share/dsc-test-gpu.xml ;;
 esac
 """
@@ -182,10 +182,8 @@ esac
 
 def test_a_gpu_fault_refuses_the_launch_before_any_rank_starts(provisioned, cluster, tmp_path):
     worker = cluster.names[1]
-    xml = (testcluster.ROOT / "tests/fixtures/gpu/h100-two-gpus.xml").read_text()
-    second = xml.index('<gpu id="00000000:2A:00.0">')
-    one = xml[:second].replace("<remapped_row_pending>No", "<remapped_row_pending>Yes", 1) + "</nvidia_smi_log>\n"
-    (tmp_path / "gpu.xml").write_text(one.replace("<attached_gpus>2", "<attached_gpus>1"))
+    xml = (testcluster.ROOT / "tests/fixtures/gpu/h100-capture.xml").read_text()
+    (tmp_path / "gpu.xml").write_text(xml.replace("<remapped_row_pending>No", "<remapped_row_pending>Yes", 1))
     (tmp_path / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
     cluster.copy_to(worker, tmp_path / "gpu.xml", "/usr/local/share/dsc-test-gpu.xml")
     cluster.copy_to(worker, tmp_path / "nvidia-smi", "/usr/local/bin/nvidia-smi")

@@ -1,5 +1,5 @@
-"""The GPU gate's judgement (dscnode.gpuhealth) on nvidia-smi's XML, each fault one edit of the
-healthy two-GPU file, on kernel-log Xid lines users posted (tests/fixtures/gpu/kernel-xid/), and
+"""The GPU gate's judgement (dscnode.gpuhealth) on nvidia-smi's XML, each fault one edit of a
+real H100's capture made a node of two GPUs (two_gpus), on kernel-log Xid lines users posted (tests/fixtures/gpu/kernel-xid/), and
 preflight's rows."""
 from pathlib import Path
 
@@ -9,7 +9,27 @@ from dscnode import gpuhealth
 from dscnode.supervisor import describe, gpu_gate
 from plugins.filter import preflight
 
-XML = (Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "h100-two-gpus.xml").read_text()
+# nvidia-smi -q -x on one H100 80GB HBM3 (driver 580.159.04), as bench/gpu_capture.sh took it
+CAPTURE = (Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "h100-capture.xml").read_text()
+
+
+def two_gpus(capture):
+    """The capture made a node of two GPUs, edited here and nowhere else: its GPU as GPU 0 at PCI
+    00000000:18:00.0 (the capture's virtual machine put it at 00:06.0) and a copy as GPU 1 at
+    00000000:2A:00.0 (minor number 1, its own uuid), idling at PCIe gen 1 as idle GPUs drop to."""
+    start, end = capture.index("\t<gpu id="), capture.index("</gpu>") + len("</gpu>")
+    gpu = capture[start:end].replace("00000000:00:06.0", "00000000:18:00.0")
+    second = (gpu.replace("00000000:18:00.0", "00000000:2A:00.0")
+              .replace("<minor_number>0</minor_number>", "<minor_number>1</minor_number>")
+              .replace("GPU-4c29180c-0c34-3a94-d251-97d6f7845c8b", "GPU-4c29180c-0c34-3a94-d251-97d6f7845c8c")
+              .replace("<current_link_gen>5</current_link_gen>", "<current_link_gen>1</current_link_gen>")
+              .replace("<device_current_link_gen>5</device_current_link_gen>",
+                       "<device_current_link_gen>1</device_current_link_gen>"))
+    head = capture[:start].replace("<attached_gpus>1</attached_gpus>", "<attached_gpus>2</attached_gpus>")
+    return head + gpu + "\n" + second + capture[end:]
+
+
+XML = two_gpus(CAPTURE)
 GPU0 = XML.index('<gpu id="00000000:18:00.0">')
 GPU1 = XML.index('<gpu id="00000000:2A:00.0">')
 

@@ -25,6 +25,10 @@ def read(name):
     ("socket-bound.log", "Socket", ["lo:127.0.0.1"], {}, None,
      "NET/Socket over lo:127.0.0.1 chosen; no channel left the node (one node)"),
     ("socket-channels.log", "Socket", [], {"Socket": 2}, False, "NET/Socket"),
+    # captured on one H100: NCCL 2.28.9 tries IB first ("NET/IB : Using [RO]; OOB eth0", then
+    # "Failed to initialize NET plugin IB"), which is no IB device bound
+    ("h100-shim-one-node.log", "Socket", ["eth0:192.0.2.2"], {}, None,
+     "NET/Socket over eth0:192.0.2.2 chosen; no channel left the node (one node)"),
     # NCCL 2.4 bound sockets first, then IB, and printed no "Using network" line
     ("socket-then-ib.log", "IB", ["mlx5_0:1/IB"], {}, None,
      "NET/IB over mlx5_0:1/IB chosen; no channel left the node (one node)"),

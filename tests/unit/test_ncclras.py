@@ -24,7 +24,7 @@ def verdicts(name):
     return ncclras.behind(read(name))
 
 
-@pytest.mark.parametrize("name", ["ras-running.txt", "ras-agree.json"])
+@pytest.mark.parametrize("name", ["ras-running.txt", "ras-agree.json", "ras-h100.txt", "ras-h100.json"])
 def test_ranks_that_agree_give_no_verdict(name):
     assert verdicts(name) == [] and ncclras.said([]) == []
 
