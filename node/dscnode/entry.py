@@ -7,8 +7,8 @@ settings into its environment, on GPUs NCCL's INIT and NET lines kept (keep_nccl
 DeepSpeed's engine watched for progress (EngineWatch), its JIT op builds recorded (OpBuildWatch)
 and py-cpuinfo's answer kept for the node (CpuInfoOnce), all through an import hook, then the
 user's script or module in this process.
-It imports rundir.py, ranktimes.py, nccllog.py, complete.py and the standard library, nothing else of the
-package: its import cost is every rank's."""
+It imports rundir.py, ranktimes.py, nccllog.py, complete.py and the standard library, nothing
+else of the package: its import cost is every rank's."""
 import atexit
 import importlib.util
 import json
@@ -383,9 +383,10 @@ def accelerate_on_cpu(module):
 
 def keep_nccl_lines(environ, folder):
     """On GPU ranks (the plan's DS_ACCELERATOR, or none given) whose NCCL_DEBUG is the plan's
-    default (WARN) and who name no debug file of their own: NCCL's INIT and NET lines, which say the transport it chose, kept per process in
-    the run directory for status.yml (dscnode.nccllog). A level set on purpose (dsc_nccl_debug,
-    dsc_rank_env) is left as it is, printed where the user asked."""
+    default (WARN) and who name no debug file of their own: NCCL's INIT and NET lines, which say
+    the transport it chose, kept per process in the run directory for status.yml
+    (dscnode.nccllog). A level set on purpose (dsc_nccl_debug, dsc_rank_env) is left as it is,
+    printed where the user asked."""
     if environ.get("DS_ACCELERATOR", "cuda") != "cuda" or environ.get("NCCL_DEBUG", "WARN").upper() != "WARN" \
             or environ.get("NCCL_DEBUG_FILE"):
         return

@@ -15,9 +15,9 @@ from dscnode.rundir import entries, open_regular
 NETWORK = re.compile(r"NCCL INFO Using network (\S.*?)\s*$")
 BOUND = re.compile(r"NCCL INFO NET/(IB|Socket) : Using (\[\d+\].*?)(?: ; OOB .*)?\s*$")
 DEVICE = re.compile(r"\[\d+\]([^\s\[]+)")
-# "Channel 01/0 : 0[0] -> 9[1] [send] via NET/IB/9/GDRDMA"; NCCL 2.5 and older: "Ring 00 : ... via NET/IB/0"
 WARN = re.compile(r"NCCL WARN (.*\S)")
 FILES_LIMIT = 64  # a node's newest debug files read for status (a rank each, per attempt)
+# "Channel 01/0 : 0[0] -> 9[1] [send] via NET/IB/9/GDRDMA"; NCCL 2.5 and older: "Ring 00 : ... via NET/IB/0"
 CHANNEL = re.compile(r"NCCL INFO (?:Channel|Ring) \d+(?:/\d+)? : .* via NET/([A-Za-z]+)/\d+(?:\(\d+\))?(/GDRDMA)?")
 
 
