@@ -264,8 +264,9 @@ def dcgm_diag():
     if rc == 124:
         return "FAIL", f"dcgmi diag -r 1 did not end within {DCGM_S} s"
     if re.search(r"host engine|Unable to connect", out, re.I):
-        return "WARN", f"dcgmi could not reach DCGM's host engine ({out.strip()[-200:]}): no diagnostic ran"
-    failed = [line.strip(" |") for line in out.splitlines() if re.search(r"\bFail", line)]
+        return "WARN", f"dcgmi could not reach DCGM's host engine ({' '.join(out.split())[-200:]}): no diagnostic ran"
+    # a table row's padding collapsed: "GPU Memory | Fail - All" (tests/fixtures/gpu/dcgm/)
+    failed = [" ".join(line.strip(" |").split()) for line in out.splitlines() if re.search(r"\bFail", line)]
     if rc == 0 and not failed:
         return "PASS", ""
     return "FAIL", "; ".join(failed)[:300] or f"dcgmi diag -r 1 exit {rc}"

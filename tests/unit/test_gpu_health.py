@@ -1,6 +1,7 @@
 """The GPU gate's judgement (dscnode.gpuhealth) on nvidia-smi's XML, each fault one edit of a
-real H100's capture made a node of two GPUs (two_gpus), on kernel-log Xid lines users posted (tests/fixtures/gpu/kernel-xid/), and
-preflight's rows."""
+real H100's capture made a node of two GPUs (two_gpus), on kernel-log Xid lines users posted (tests/fixtures/gpu/kernel-xid/),
+on dcgmi diag's output as posted (tests/fixtures/gpu/dcgm/), and preflight's rows."""
+import time
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,80 @@ def test_the_supervisors_gate_names_each_failing_gpu_of_its_own_node(tmp_path, m
     assert refused == ["node1 GPU 0: PCIe link x4 of its x16"]
     assert describe({"kind": "gpu_health", "node": "node1", "findings": refused}) == \
         "the GPU gate refused the restart: node1 GPU 0: PCIe link x4 of its x16"
+
+
+# dcgmi diag as NVIDIA's DCGM printed it in public posts (tests/fixtures/gpu/dcgm/, each file's first
+# line its source). The posts show no exit status: the fake takes DCGM's own (dcgmi's main returns the
+# dcgmReturn_t: 0 passed, -30 DCGM_ST_NVVS_ERROR a test failed, -21 no host engine; the shell sees it
+# modulo 256).
+DCGM_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "dcgm"
+
+
+def _dcgmi(tmp_path, monkeypatch, body):
+    """A dcgmi program on PATH (no DCGM here), beside _nvidia_smi's where a test made one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "dcgmi").write_text("#!/bin/sh\n" + body)
+    (bin_dir / "dcgmi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def _dcgmi_replays(tmp_path, monkeypatch, fixture, rc):
+    """dcgmi answering `dcgmi diag -r 1` with a fixture's output (its source line left out)."""
+    _dcgmi(tmp_path, monkeypatch, f'[ "$*" = "diag -r 1" ] || exit 64\n'
+                                  f'tail -n +2 {DCGM_FIXTURES / fixture}\nexit {rc}\n')
+
+
+@pytest.mark.parametrize("fixture,rc,status,needle", [
+    ("pass-3.3.3-r2.txt", 0, "PASS", ""),  # the table DCGM 3.x prints: "Pass - All" a test
+    ("pass-4.4.2-r2.txt", 0, "PASS", ""),  # DCGM 4.x's: a result a test, then one a GPU
+    ("fail-3.3.8-r3-gpu-memory.txt", 226, "FAIL", "GPU Memory | Fail - All"),
+    ("fail-4.2.3-r2-pcie.txt", 226, "FAIL", "pcie | Fail"),
+    ("no-host-engine.txt", 235, "WARN", "Unable to connect to host engine. Host engine connection invalid"),
+])
+def test_dcgm_diag_judges_what_dcgmi_printed(tmp_path, monkeypatch, fixture, rc, status, needle):
+    _dcgmi_replays(tmp_path, monkeypatch, fixture, rc)
+    got, what = gpuhealth.dcgm_diag()
+    assert got == status and needle in what, (got, what)
+    if status == "PASS":
+        assert what == ""
+    if status == "FAIL":  # only the failed test: not a skipped one, not an Info or Warning text
+        assert what.count("Fail") == 1 and "Skip" not in what and "Persistence" not in what, what
+
+
+def test_a_dcgmi_that_hangs_is_a_fail_not_a_hang(tmp_path, monkeypatch):
+    _dcgmi(tmp_path, monkeypatch, "sleep 30\n")  # DCGM's longer levels hang in reported cases
+    monkeypatch.setattr(gpuhealth, "DCGM_S", 1)
+    start = time.monotonic()
+    assert gpuhealth.dcgm_diag() == ("FAIL", "dcgmi diag -r 1 did not end within 1 s")
+    assert time.monotonic() - start < 10
+
+
+def test_no_dcgmi_no_diagnostic(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpuhealth.dcgm_diag() is None
+
+
+def test_the_full_report_carries_dcgms_finding_into_preflights_row(tmp_path, monkeypatch):
+    (tmp_path / "gpus.xml").write_text(XML)
+    _nvidia_smi(tmp_path, monkeypatch, f'[ "$1" = "-q" ] && exec cat {tmp_path}/gpus.xml\nexit 0\n')
+    assert gpuhealth.report([0])["dcgm"] is None  # the supervisor's gate: no diagnostic
+    assert gpuhealth.report([0], full=True)["dcgm"] == "absent"
+
+    _dcgmi_replays(tmp_path, monkeypatch, "fail-3.3.8-r3-gpu-memory.txt", 226)
+    r = gpuhealth.report([0], full=True)
+    assert r["dcgm"] == "ran"
+    [dcgm] = [f for f in r["findings"] if "DCGM" in f["what"]]
+    assert dcgm["gpu"] is None and dcgm["status"] == "FAIL", dcgm
+    assert dcgm["what"] == "DCGM's quick diagnostic: GPU Memory | Fail - All"
+    [row] = preflight.gpu_health_rows("node2", r)
+    assert row["status"] == "FAIL" and "DCGM's quick diagnostic: GPU Memory | Fail - All" in row["detail"]
+    assert "dcgmi diag -r 1" in row["fix"]
+
+    _dcgmi_replays(tmp_path, monkeypatch, "no-host-engine.txt", 235)
+    [dcgm] = [f for f in gpuhealth.report([0], full=True)["findings"] if "DCGM" in f["what"]]
+    assert dcgm["status"] == "WARN" and "systemctl start nvidia-dcgm" in dcgm["fix"], dcgm
+
+    _dcgmi_replays(tmp_path, monkeypatch, "pass-4.4.2-r2.txt", 0)
+    r = gpuhealth.report([0], full=True)
+    assert r["dcgm"] == "ran" and not [f for f in r["findings"] if "DCGM" in f["what"]], r
