@@ -8,12 +8,7 @@ checkpoint another node cut short).
 
 The marks are `complete_tags` in the save directory, a tag a line in the order saved: on every
 node where checkpoints are node-local (checkpoint.use_node_local_storage), on global rank 0's
-where they are shared. Read by the training user who wrote them, from its tail (TAIL_BYTES).
-
-A script resumed with `{latest:GLOB}` (HF's --resume_from_checkpoint out/checkpoint-*) gets the
-newest match complete on every node the supervisor reaches (complete_everywhere): one that holds
-there what the master's holds of a finished save, the shim's marks and HF's trainer_state.json
-(which the Trainer writes last)."""
+where they are shared. Read by the training user who wrote them, from its tail (TAIL_BYTES)."""
 import os
 
 from dscnode.rundir import append_line, read_tail
@@ -48,29 +43,3 @@ def agreed(everyone):
         return None
     common = [t for t in marked[0] if all(t in other for other in marked[1:])]
     return max(common, key=marked[0].index) if common else ""
-
-
-TRAINER_STATE = "trainer_state.json"  # HF's Trainer writes it last into its checkpoint-N
-
-
-def match_state(path):
-    """What a `{latest:GLOB}` match holds on this node of a finished save: marked (True: a tag
-    marked complete there, False: marks but none whose folder is left, None: no marks) and HF's
-    trainer_state.json."""
-    t = tags(path)
-    return {"marked": None if t is None else bool(t),
-            "trainer_state": os.path.isfile(os.path.join(path, TRAINER_STATE))}
-
-
-def complete_everywhere(match, states):
-    """Whether `match` is complete on the master (states[0], {match: match_state}) and on every
-    other node that answered (states[1:]): there, it exists and holds what the master's does."""
-    mine = states[0].get(match)
-    if mine is None or mine["marked"] is False:
-        return False
-    for other in states[1:]:
-        theirs = other.get(match)
-        if theirs is None or theirs["marked"] is False or (mine["marked"] and not theirs["marked"]) \
-                or (mine["trainer_state"] and not theirs["trainer_state"]):
-            return False
-    return True

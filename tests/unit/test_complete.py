@@ -1,7 +1,7 @@
 """Which checkpoint tag a load without one takes (dscnode.complete): the newest complete on every
 node, from the marks the entry shim writes after each save. The shim's patch itself runs on two
 "nodes" of this machine in tests/local/test_train.py."""
-from dscnode import complete, supervisor
+from dscnode import complete
 
 
 def marked(folder, *tags, folders=None):
@@ -41,51 +41,3 @@ def test_only_the_tail_of_a_long_mark_file_is_read(tmp_path):
     (folder / "global_step19999").mkdir()
     (folder / "global_step3").mkdir()  # only in the file's head
     assert complete.tags(folder) == ["global_step19999"]
-
-
-def checkpoint(root, name, tag=None, trainer_state=False):
-    """An HF-style checkpoint folder as a node holds it: DeepSpeed's tag marked (the shim), and
-    trainer_state.json where the Trainer got to write it."""
-    path = root / name
-    path.mkdir(parents=True)
-    if tag:
-        (path / tag).mkdir()
-        complete.mark(path, tag)
-    if trainer_state:
-        (path / complete.TRAINER_STATE).write_text("{}")
-    return path
-
-
-def test_latest_takes_the_newest_checkpoint_complete_on_every_node(tmp_path):
-    """The master holds checkpoint-40 whole; the worker's was cut short (its DeepSpeed part not
-    marked, or no trainer_state.json): {latest:} takes checkpoint-20, complete on both."""
-    master, worker = tmp_path / "master", tmp_path / "worker"
-    for node in (master, worker):
-        checkpoint(node / "out", "checkpoint-20", "global_step20", trainer_state=True)
-    checkpoint(master / "out", "checkpoint-40", "global_step40", trainer_state=True)
-    checkpoint(worker / "out", "checkpoint-40")  # the save began there, nothing of it finished
-    states = [supervisor.match_states("out/checkpoint-*", node) for node in (master, worker)]
-    assert list(states[0]) == ["out/checkpoint-40", "out/checkpoint-20"]
-    assert [m for m in states[0] if complete.complete_everywhere(m, states)] == ["out/checkpoint-20"]
-    # the worker's DeepSpeed part finished but not the Trainer's state: still not complete there
-    (worker / "out" / "checkpoint-40" / "global_step40").mkdir()
-    complete.mark(worker / "out" / "checkpoint-40", "global_step40")
-    states[1] = supervisor.match_states("out/checkpoint-*", worker)
-    assert not complete.complete_everywhere("out/checkpoint-40", states)
-    (worker / "out" / "checkpoint-40" / complete.TRAINER_STATE).write_text("{}")
-    states[1] = supervisor.match_states("out/checkpoint-*", worker)
-    assert complete.complete_everywhere("out/checkpoint-40", states)
-    # alone (no other node reached: one node, or each node its own supervisor), the master's own
-    argv = ["run_clm.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
-    assert supervisor.resolve_latest(argv, master)[-1] == "out/checkpoint-40"
-
-
-def test_checkpoints_no_shim_marked_count_where_they_exist_on_every_node(tmp_path):
-    """A script that saves without DeepSpeed's engine: no marks anywhere, a match on every node is it."""
-    master, worker = tmp_path / "master", tmp_path / "worker"
-    for node, names in ((master, ("step_1", "step_2")), (worker, ("step_1",))):
-        for n in names:
-            checkpoint(node / "out", n)
-    states = [supervisor.match_states("out/step_*", node) for node in (master, worker)]
-    assert [m for m in states[0] if complete.complete_everywhere(m, states)] == ["out/step_1"]
-    assert complete.complete_everywhere("out/step_2", states[:1])
