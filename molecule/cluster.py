@@ -459,7 +459,12 @@ class Cluster:
              10, f"the listener on {node}:{port}", every=0.2)
 
     def stop_listening(self, node, seconds=60):
-        self.exec(node, f"pkill -f '[t]ime.sleep.{int(seconds)}.' || true")
+        """Ends the node's listeners and waits until they are gone: a listen() right after must not
+        take a dying listener's socket for its own."""
+        pattern = f"'[t]ime.sleep.{int(seconds)}.'"
+        self.exec(node, f"pkill -f {pattern} || true")
+        wait(lambda: self.exec(node, f"pgrep -f {pattern}", check=False).returncode == 1,
+             10, f"the listeners on {node} to end", every=0.1)
 
     def versions(self, node, python, names):
         """{distribution: installed version} in a node's env, read as the training user."""
