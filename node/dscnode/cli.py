@@ -21,6 +21,8 @@ built file). Every command prints one JSON object.
                                                # restarts it from its checkpoint (opt-in)
     dsc_node.pyz gpu-health [--gpus JSON]      # this node's GPUs judged: the supervisor's gate before
                                                #   a restart (null without nvidia-smi)
+    dsc_node.pyz matches GLOB --cwd DIR        # a {latest:GLOB}'s matches here and what each holds of a
+                                               #   finished save (the supervisor's pick on every node)
     dsc_node.pyz procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
     dsc_node.pyz stop RUN_ID [--grace S] [--run-dir DIR [--by WHO]] [--ext-dir DIR]
                                                # mark the run stopped (by WHO), TERM, then KILL after
@@ -138,6 +140,10 @@ def parser():
     p = action("gpu-health", _gpu_health, "this node's GPUs judged (the gate before a restart)")
     p.add_argument("--gpus", default="null", help="JSON list: the indices the run uses (a fault elsewhere only "
                                                   "warns); null: every GPU")
+    p = action("matches", _matches, "a {latest:GLOB}'s matches here, newest first, with what each holds of "
+                                    "a finished save (the supervisor's newest complete on every node)")
+    p.add_argument("pattern")
+    p.add_argument("--cwd", required=True)
     p = action("procs", _procs, "the processes that carry DSC_RUN_ID=RUN_ID")
     p.add_argument("run_id")
     p = action("stop", _stop, "mark the run stopped, TERM its processes, KILL them after the grace")
@@ -206,6 +212,14 @@ def _preflight(a):
     run = {"check": checks.check, "mesh": checks.mesh, "listen": checks.listen, "connect": checks.connect,
            "iperf-server": checks.iperf_server}
     print(json.dumps(run[a.action](json.loads(os.environ.get("DSC_PREFLIGHT", "{}")))))
+
+
+def _matches(a):
+    from dscnode.safe import latest_glob
+    from dscnode.supervisor import match_states
+    if latest_glob("{latest:" + a.pattern + "}") != a.pattern:
+        raise SystemExit(f"dsc_node matches: {a.pattern!r} is not a glob {{latest:GLOB}} allows")
+    print(json.dumps(match_states(a.pattern, a.cwd)))
 
 
 def _gpu_health(a):

@@ -8,7 +8,14 @@ checkpoint another node cut short).
 
 The marks are `complete_tags` in the save directory, a tag a line in the order saved: on every
 node where checkpoints are node-local (checkpoint.use_node_local_storage), on global rank 0's
-where they are shared. Read by the training user who wrote them, from its tail (TAIL_BYTES)."""
+where they are shared. Read by the training user who wrote them, from its tail (TAIL_BYTES).
+
+A script resumed with `{latest:GLOB}` (HF's --resume_from_checkpoint out/checkpoint-*) gets the
+newest match complete on every node the supervisor reaches (newest_everywhere). What a finished
+save holds is read from the saves themselves, so a save cut short on every node at once is passed
+over too: the shim's mark once any match anywhere is marked, and HF's trainer_state.json (the
+Trainer writes it last) in a folder the Trainer wrote its training_args.bin into, or once any
+match anywhere holds one."""
 import os
 
 from dscnode.rundir import append_line, read_tail
@@ -43,3 +50,44 @@ def agreed(everyone):
         return None
     common = [t for t in marked[0] if all(t in other for other in marked[1:])]
     return max(common, key=marked[0].index) if common else ""
+
+
+# HF's Trainer: the first file it writes into its checkpoint-N (with the model) and the last
+TRAINER_ARGS, TRAINER_STATE = "training_args.bin", "trainer_state.json"
+
+
+def match_state(path):
+    """What a `{latest:GLOB}` match holds on this node of a finished save: marked (True: a tag
+    marked complete there, False: marks but none whose folder is left, None: no marks), and
+    whether HF's Trainer began (trainer) and finished (trainer_state) its part."""
+    t = tags(path)
+    return {"marked": None if t is None else bool(t),
+            "trainer": os.path.isfile(os.path.join(path, TRAINER_ARGS)),
+            "trainer_state": os.path.isfile(os.path.join(path, TRAINER_STATE))}
+
+
+def newest_everywhere(states, nodes):
+    """The newest match complete on every node, and why each newer one was passed over:
+    (match or None, ["out/checkpoint-120 (node2: no trainer_state.json)", ...]). `states` holds
+    each node's {match: match_state}, newest first, in `nodes`' order; the first node's matches
+    are the candidates."""
+    every = [s for node in states for s in node.values()]
+    marks_used = any(s["marked"] for s in every)
+    trainer_state_used = any(s["trainer_state"] for s in every)
+
+    def lacks(state):
+        if state is None:
+            return "not there"
+        if state["marked"] is False or (marks_used and not state["marked"]):
+            return "DeepSpeed's part not marked complete"
+        if (state["trainer"] or trainer_state_used) and not state["trainer_state"]:
+            return f"no {TRAINER_STATE}"
+        return None
+
+    passed = []
+    for match in states[0]:
+        gaps = [f"{node}: {why}" for node, node_states in zip(nodes, states, strict=True) if (why := lacks(node_states.get(match)))]
+        if not gaps:
+            return match, passed
+        passed.append(f"{match} ({'; '.join(gaps)})")
+    return None, passed

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from dscnode import gpuhealth, stragglers
+from dscnode import complete, gpuhealth, stragglers
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
 from dscnode.records import step_downs
@@ -206,10 +206,13 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
     return code, cause, torn
 
 
-def newest(pattern, cwd="."):
-    """The newest path matching the glob, by the last number in its name (checkpoint-40 after
-    checkpoint-9), then by mtime; None if nothing matches. Only a match inside `cwd` counts (a
-    link there that leads out of it does not), of the characters a command line takes unquoted."""
+MATCHES_LIMIT = 1000  # a glob's matches a node reports for {latest:GLOB}, the newest
+
+
+def matches(pattern, cwd="."):
+    """The paths matching the glob, newest first: by the last number in the name (checkpoint-40
+    before checkpoint-9), then by mtime. Only a match inside `cwd` counts (a link there that
+    leads out of it does not), of the characters a command line takes unquoted."""
     home = os.path.realpath(cwd)
 
     def inside(p):
@@ -219,22 +222,49 @@ def newest(pattern, cwd="."):
     def key(p):
         nums = re.findall(r"\d+", os.path.basename(p.rstrip("/")))
         return (int(nums[-1]) if nums else -1, os.path.getmtime(os.path.join(cwd, p)))
-    found = [p for p in glob.glob(pattern, root_dir=cwd) if inside(p)]
-    return max(found, key=key) if found else None
+    return sorted((p for p in glob.glob(pattern, root_dir=cwd) if inside(p)), key=key, reverse=True)[:MATCHES_LIMIT]
 
 
-def resolve_latest(argv, cwd="."):
+def match_states(pattern, cwd="."):
+    """{match: complete.match_state} of this node's matches (the node helper's `matches`)."""
+    return {m: complete.match_state(os.path.join(cwd, m)) for m in matches(pattern, cwd)}
+
+
+def newest_complete(pattern, cwd=".", hosts=()):
+    """The newest match complete on this node and on every other of `hosts` that answers (the
+    pdsh launch mode's: the supervisor reaches them; elsewhere it decides for its own node),
+    said in the launcher's log with what it passed over."""
+    cwd = os.path.abspath(cwd)
+    hosts = list(hosts) or ["this node"]
+    nodes, states = hosts[:1], [match_states(pattern, cwd)]
+    answers = on_others(hosts, "matches", pattern, "--cwd", cwd)
+    for host in hosts[1:]:
+        try:
+            states.append(json.loads(answers.get(host, "")))
+            nodes.append(host)
+        except ValueError:
+            pass  # no answer: the attempt itself finds the node unreachable
+    match, passed = complete.newest_everywhere(states, nodes)
+    unheard = [h for h in hosts if h not in nodes]
+    print(f"[dsc_node] {{latest:{pattern}}}: {match or 'none yet, the run starts over'}"
+          f"{', the newest complete on ' + ', '.join(nodes) if match else ''}"
+          f"{'; passed over: ' + ', '.join(passed) if passed else ''}"
+          f"{'; no answer from ' + ', '.join(unheard) if unheard else ''}", flush=True)
+    return match
+
+
+def resolve_latest(argv, cwd=".", hosts=()):
     """A script's resume arguments, as the plan allows them: `{latest:GLOB}` becomes the newest
-    match (e.g. HF's --resume_from_checkpoint out/checkpoint-40); with no match yet (stopped
-    before the first save) it is dropped with the option right before it, and the run starts
-    over."""
+    match complete on every node (newest_complete; e.g. HF's --resume_from_checkpoint
+    out/checkpoint-40); with none yet (stopped before the first save) it is dropped with the
+    option right before it, and the run starts over."""
     out = []
     for arg in argv:
         pattern = latest_glob(arg)
         if pattern is None:
             out.append(arg)
             continue
-        path = newest(pattern, cwd)
+        path = newest_complete(pattern, cwd, hosts)
         if path:
             out.append(path)
         elif out and out[-1].startswith("-"):
@@ -306,7 +336,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         (run / RunDir.FAILURE).unlink(missing_ok=True)  # the cause shown is this attempt's
         best_effort(write_atomic, run / RunDir.ATTEMPT,
                     json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
-        child = subprocess.Popen(resolve_latest(attempt), env=env, stdin=subprocess.DEVNULL)
+        child = subprocess.Popen(resolve_latest(attempt, hosts=list(hosts)), env=env, stdin=subprocess.DEVNULL)
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         seen = {}
         code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen)

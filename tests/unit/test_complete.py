@@ -1,7 +1,7 @@
 """Which checkpoint tag a load without one takes (dscnode.complete): the newest complete on every
 node, from the marks the entry shim writes after each save. The shim's patch itself runs on two
 "nodes" of this machine in tests/local/test_train.py."""
-from dscnode import complete
+from dscnode import complete, supervisor
 
 
 def marked(folder, *tags, folders=None):
@@ -41,3 +41,74 @@ def test_only_the_tail_of_a_long_mark_file_is_read(tmp_path):
     (folder / "global_step19999").mkdir()
     (folder / "global_step3").mkdir()  # only in the file's head
     assert complete.tags(folder) == ["global_step19999"]
+
+
+def checkpoint(root, name, tag=None, trainer_state=False):
+    """An HF-style checkpoint folder as a node holds it, in the Trainer's order: training_args.bin
+    with the model, DeepSpeed's tag (marked by the shim once its save returned), and
+    trainer_state.json where the Trainer got to write it. No tag: a folder only begun."""
+    path = root / name
+    path.mkdir(parents=True)
+    if tag:
+        (path / complete.TRAINER_ARGS).write_text("args")
+        (path / tag).mkdir()
+        complete.mark(path, tag)
+    if trainer_state:
+        (path / complete.TRAINER_STATE).write_text("{}")
+    return path
+
+
+def pick(pattern, *nodes):
+    """What {latest:GLOB} takes on these nodes (the first the supervisor's), and what it passed over."""
+    return complete.newest_everywhere([supervisor.match_states(pattern, n) for n in nodes], [n.name for n in nodes])
+
+
+def test_latest_takes_the_newest_checkpoint_complete_on_every_node(tmp_path):
+    """The master holds checkpoint-40 whole; the worker's was cut short (nothing of it finished,
+    then the Trainer's state alone missing): {latest:} takes checkpoint-20, complete on both."""
+    master, worker = tmp_path / "master", tmp_path / "worker"
+    for node in (master, worker):
+        checkpoint(node / "out", "checkpoint-20", "global_step20", trainer_state=True)
+    checkpoint(master / "out", "checkpoint-40", "global_step40", trainer_state=True)
+    checkpoint(worker / "out", "checkpoint-40")
+    assert list(supervisor.match_states("out/checkpoint-*", master)) == ["out/checkpoint-40", "out/checkpoint-20"]
+    assert pick("out/checkpoint-*", master, worker) == (
+        "out/checkpoint-20", ["out/checkpoint-40 (worker: DeepSpeed's part not marked complete)"])
+    # the worker's DeepSpeed part finished but not the Trainer's state: still not complete there
+    (worker / "out" / "checkpoint-40" / complete.TRAINER_ARGS).write_text("args")
+    (worker / "out" / "checkpoint-40" / "global_step40").mkdir()
+    complete.mark(worker / "out" / "checkpoint-40", "global_step40")
+    assert pick("out/checkpoint-*", master, worker) == (
+        "out/checkpoint-20", ["out/checkpoint-40 (worker: no trainer_state.json)"])
+    (worker / "out" / "checkpoint-40" / complete.TRAINER_STATE).write_text("{}")
+    assert pick("out/checkpoint-*", master, worker) == ("out/checkpoint-40", [])
+    # alone (no other node reached: one node, or each node its own supervisor), the master's own
+    argv = ["run_clm.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
+    assert supervisor.resolve_latest(argv, master)[-1] == "out/checkpoint-40"
+
+
+def test_a_save_cut_short_on_every_node_at_once_is_passed_over(tmp_path):
+    """The stop came after DeepSpeed's part of checkpoint-40 but before the Trainer's state, on
+    both nodes alike: judged by what a finished save holds, not by the master's copy."""
+    master, worker = tmp_path / "master", tmp_path / "worker"
+    for node in (master, worker):
+        checkpoint(node / "out", "checkpoint-40", "global_step40")
+    # the first save of the run: its training_args.bin says the Trainer wrote it, so its state is due
+    assert pick("out/checkpoint-*", master, worker) == (
+        None, ["out/checkpoint-40 (master: no trainer_state.json; worker: no trainer_state.json)"])
+    for node in (master, worker):
+        checkpoint(node / "out", "checkpoint-20", "global_step20", trainer_state=True)
+    assert pick("out/checkpoint-*", master, worker)[0] == "out/checkpoint-20"
+    argv = ["run_clm.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}", "--bf16"]
+    (master / "out" / "checkpoint-20" / complete.TRAINER_STATE).unlink()
+    assert supervisor.resolve_latest(argv, master) == ["run_clm.py", "--bf16"]  # none: the run starts over
+
+
+def test_checkpoints_no_shim_marked_count_where_they_exist_on_every_node(tmp_path):
+    """A script that saves without DeepSpeed's engine: no marks anywhere, a match on every node is it."""
+    master, worker = tmp_path / "master", tmp_path / "worker"
+    for node, names in ((master, ("step_1", "step_2")), (worker, ("step_1",))):
+        for n in names:
+            checkpoint(node / "out", n)
+    assert pick("out/step_*", master, worker) == ("out/step_1", ["out/step_2 (worker: not there)"])
+    assert pick("out/step_*", master) == ("out/step_2", [])
