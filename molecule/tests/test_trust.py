@@ -6,17 +6,22 @@ must not change did not.
   user replaces the lock in the install root and drops a wheel in its wheelhouse; root's pip
   installs from root's own folder, and nothing of theirs is installed or runs. A package directory
   of another user's inside that env is refused before any change.
+  That provision also finds no rsync on one node, with OS packages unmanaged (an image as it
+  comes): the wheelhouse goes there as one tar archive, each file's time kept as rsync keeps it.
 - Files the probe reads as root, replaced by a FIFO and a sparse 1 TiB file while a run trains:
   every playbook returns in its usual time, names each file, and stop.yml still stops the run."""
 import base64
 import hashlib
 import io
 import json
+import os
 import time
 import zipfile
+from pathlib import Path
 
-from cluster import TINY, UNTIL_STOPPED, wait
+from cluster import HELPER, TINY, UNTIL_STOPPED, wait
 from dscnode import warm_record
+from dscnode.probe import tree_digest
 
 ROOT_ENV = "/opt/rootenv"
 SITE = f"{ROOT_ENV}/lib/python3.11/site-packages"
@@ -44,10 +49,16 @@ def planted_wheel():
 
 
 def root_env_settings():
-    """The inventory's env as the GPU benchmarks' (an interpreter of root's, installed into), and
-    no op warmed: the env's copy would rebuild every op for its own paths, which this does not test."""
+    """The inventory's env as the GPU benchmarks' (an interpreter of root's, installed into), their
+    image's OS packages as they come, and no op warmed: the env's copy would rebuild every op for
+    its own paths, which this does not test."""
     return ["-e", json.dumps({"dsc_env_manager": "existing", "dsc_existing_python": f"{ROOT_ENV}/bin/python",
-                              "dsc_existing_install": True, "deepspeed_warm_ops": {"cpu": [], "cuda": []}})]
+                              "dsc_existing_install": True, "dsc_manage_packages": False,
+                              "deepspeed_warm_ops": {"cpu": [], "cuda": []}})]
+
+
+WHEELHOUSE = Path(os.environ.get("DSC_WHEELHOUSE", Path(__file__).resolve().parents[2] / ".cache" / "wheelhouse"))
+RSYNC = "/usr/bin/rsync"
 
 
 def test_root_installs_nothing_the_training_user_planted(provisioned, cluster, tmp_path):
@@ -70,8 +81,17 @@ def test_root_installs_nothing_the_training_user_planted(provisioned, cluster, t
                             f"cp /tmp/lock {INSTALL}/lock-wheels.txt", user="dstrain")
         planted = {n: cluster.exec(n, f"sha256sum {INSTALL}/lock-wheels.txt {INSTALL}/wheelhouse/{wheel}").stdout
                    for n in cluster.names}
+        worker = cluster.names[1]
+        cluster.exec(worker, f"mv {RSYNC} {RSYNC}.hidden")
         r = cluster.playbook("provision.yml", *root_env_settings())
         assert r.returncode == 0, r.output[-6000:]
+        # root's wheelhouse: by rsync to the master, as one tar archive to the worker, the same files
+        # and times on both (what the probe compares: the next provision sends nothing)
+        by_tar = r.output.split("Unpack the offline wheelhouse on the nodes without rsync")[1].split("TASK [")[0]
+        assert f"changed: [{worker}]" in by_tar and f"skipping: [{cluster.master}]" in by_tar, by_tar
+        digest = f"PYTHONPATH={HELPER} python3 -c 'from dscnode.probe import tree_digest; print(tree_digest(\"{ROOT_PACKAGES}/wheelhouse\"))'"
+        assert {n: cluster.exec(n, digest).stdout.strip() for n in cluster.names} == \
+            {n: tree_digest(WHEELHOUSE) for n in cluster.names}
         for n in cluster.names:
             have = cluster.exec(n, f"ls {SITE}").stdout.split()
             assert not [x for x in have if "planted" in x], (n, have)
@@ -92,6 +112,7 @@ def test_root_installs_nothing_the_training_user_planted(provisioned, cluster, t
         assert "Make every node identical" not in refused.output
         assert all(v.get("changed", 0) == 0 for v in refused.recap.values()), refused.recap
     finally:  # the cluster's own env again: its lock in the install root, the warm-up's record its own
+        cluster.exec(cluster.names[1], f"test -e {RSYNC} || mv {RSYNC}.hidden {RSYNC}", check=False)
         for n in cluster.names:
             cluster.exec(n, f"rm -rf {ROOT_ENV} {ROOT_PACKAGES} {MARK} /tmp/{wheel} {INSTALL}/wheelhouse/{wheel}; "
                             f"cp -a {kept}/lock-wheels.txt {INSTALL}/ && cp -a {kept}/{WARM_RECORD.rsplit('/', 1)[1]} {WARM_RECORD} && rm -rf {kept}",

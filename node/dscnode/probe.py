@@ -9,6 +9,7 @@ import os
 import platform
 import pwd
 import re
+import shutil
 import socket
 import stat as stat_mod
 from pathlib import Path
@@ -339,6 +340,7 @@ def probe(run_root="", existing="", install_root="", data_dir="", train_user="",
     out = {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "memory_mib": memory_mib(), "cpu": cpu_identity(), "gpus": gpus(),
            "interfaces": interfaces(), "link_speeds": link_speeds(), "infiniband": ib.is_dir() and any(ib.iterdir()), "rdma": rdma(),
            "systemd": os.path.isdir("/run/systemd/system"),  # systemd is the init (sd_booted's test)
+           "rsync": shutil.which("rsync") is not None,  # the wheelhouse's push and the dataset's sync use it
            "runs": runs(run_root) if run_root and unlinked(run_root) else [],  # a linked one: refused by the plan
            "run_root_links": links(run_root) if run_root else [],
            "helper_sha256": sha256(INSTALLED_PATH), "firewalls": firewalls(), "ssh_host_keys": ssh_host_keys(),

@@ -246,7 +246,7 @@ def newest_complete(pattern, cwd=".", hosts=()):
             pass  # no answer: the attempt itself finds the node unreachable
     match, passed = complete.newest_everywhere(states, nodes)
     unheard = [h for h in hosts if h not in nodes]
-    print(f"[dsc_node] {{latest:{pattern}}}: {match or 'none yet, the run starts over'}"
+    print(f"[dsc_node] {{latest:{pattern}}}: {match or 'none complete on every node, the run starts over'}"
           f"{', the newest complete on ' + ', '.join(nodes) if match else ''}"
           f"{'; passed over: ' + ', '.join(passed) if passed else ''}"
           f"{'; no answer from ' + ', '.join(unheard) if unheard else ''}", flush=True)

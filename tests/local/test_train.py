@@ -38,19 +38,31 @@ def free_port():
         return str(s.getsockname()[1])
 
 
+def forget_shm(port):
+    """DeepSpeed's CPU comm op leaves each rank's shared-memory buffer (66 MiB) in /dev/shm when
+    the rank exits, named by the master's address and port: removed once the run ended (a suite
+    run would otherwise leave gigabytes of this machine's memory behind)."""
+    for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        f.unlink(missing_ok=True)
+
+
 def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True, program=("train.run",), env=None):
     """DeepSpeed's launcher over `ranks` gloo ranks of `program` (python -m's arguments: train.run,
     or the node helper's entry shim and a script), with train.run's --set options."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "ds_config.json").write_text(json.dumps(ds))
     env = dict(os.environ, **RANK_ENV, DSC_RUN_DIR=str(run_dir), LOCAL_SIZE=str(ranks), **(env or {}))
-    cmd = [str(VENV / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port", free_port(), "--module", *program,
+    port = free_port()
+    cmd = [str(VENV / "bin" / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port, "--module", *program,
            "--deepspeed_config", str(run_dir / "ds_config.json")]
     for s in sets:
         cmd += ["--set", s]
     if resume:
         cmd.append("--resume")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        forget_shm(port)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -203,7 +215,10 @@ def two_nodes(tmp_path, *args):
              "-m", "dscnode", "entry", "--script", str(ROOT / "tests/fixtures/checkpoint_loop.py"),
              "--deepspeed_config", str(tmp_path / "ds_config.json"), *args],
             cwd=tmp_path / f"node{node}", env=dict(env, DSC_RUN_DIR=str(tmp_path / f"node{node}")), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        forget_shm(port)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     return [json.loads((tmp_path / f"node{n}" / "loaded.json").read_text()) for n in (0, 1)], outs
 

@@ -18,7 +18,7 @@ PATHS = {"repo": str(ROOT), "templates": str(ROOT / "templates")}
 
 def probe(addr, gpus=0, cap="9.0", runs=()):
     return {"gpus": [{"index": str(i), "compute_cap": cap, "driver": "580.1"} for i in range(gpus)],
-            "interfaces": {"lo": ["127.0.0.1"], "eth0": [addr]}, "infiniband": False,
+            "interfaces": {"lo": ["127.0.0.1"], "eth0": [addr]}, "infiniband": False, "rsync": True,
             "runs": list(runs)}
 
 

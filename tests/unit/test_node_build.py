@@ -21,7 +21,7 @@ PACKAGE = ROOT / "node" / "dscnode"
 HELPER = dscplan.node_helper(ROOT)[0]
 # What the probe printed before the package (its keys: the plan reads them).
 PROBE_KEYS = {"hostname", "cpus", "memory_mib", "cpu", "ssh_host_keys", "gpus", "interfaces", "link_speeds", "infiniband", "rdma", "runs", "run_root_links", "helper_sha256",
-              "systemd", "refused_reads",
+              "systemd", "rsync", "refused_reads",
               "firewalls"}
 
 

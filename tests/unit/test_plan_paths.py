@@ -262,3 +262,21 @@ def test_pip_into_an_env_of_roots_installs_from_roots_own_folder():
     assert "TORCH_EXTENSIONS_DIR" not in p["pip_env"] and "TRITON_CACHE_DIR" not in p["pip_env"]
     p, errors = plan()
     assert errors == [] and (p["packages_dir"], p["packages_owner"]) == ("/opt/dscluster", "dstrain")
+
+
+def test_a_dataset_to_sync_needs_rsync_on_every_node_it_goes_to(tmp_path):
+    """launch syncs dsc_data_dir with rsync: a node whose probe found none is refused before any
+    change, naming it and the fixes; a shared dataset, or a provision, does not need it there."""
+    def planned(full_run, **settings):
+        hostvars, groups, probes = cluster(2, dsc_data_dir=str(tmp_path), **settings)
+        probes["node2"]["rsync"] = False
+        return dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, {} if full_run else None,
+                                 now="20261130-000000", full_run=full_run, check_dir=lambda p: True)
+    p, errors = planned(True)
+    assert p is None and errors == [
+        "dsc_data_dir on host node2: launch syncs the dataset there with rsync, which node2 lacks. Fix: install "
+        "rsync there (provision.yml does with dsc_manage_packages: true), or put the dataset where every node has "
+        "it and set dsc_data_shared: true."], errors
+    assert planned(True, dsc_data_shared=True)[1] == []
+    p, errors = planned(False)
+    assert errors == [] and [n["rsync"] for n in p["nodes"]] == [True, False]

@@ -67,11 +67,16 @@ def _check_nodes(nodes, s, hostvars, probes, full_run, problems):
         # The control node itself (a local connection, the one-node default): dsc_data_dir there is
         # the source, never created, changed or synced (launch skips it on this node).
         node.local = str((hostvars.get(node.name) or {}).get("ansible_connection") or "") == "local"
+        synced = full_run and bool(s["dsc_data_dir"]) and not as_bool(s["dsc_data_shared"]) and not node.local
         if node.reachable:
             for message in root_path_problems(
-                    node.name, (probes.get(node.name) or {}).get("root_paths"), str(s["dsc_train_user"]),
-                    data=full_run and not as_bool(s["dsc_data_shared"]) and not node.local):
+                    node.name, (probes.get(node.name) or {}).get("root_paths"), str(s["dsc_train_user"]), data=synced):
                 problems.add(message)
+            if synced and not node.rsync:
+                problems.add(f"dsc_data_dir on host {node.name}: launch syncs the dataset there with rsync, which "
+                             f"{node.name} lacks. Fix: install rsync there (provision.yml does with "
+                             f"dsc_manage_packages: true), or put the dataset where every node has it and set "
+                             f"dsc_data_shared: true.")
     for node in nodes:
         if node.reachable and not node.iface and "NCCL_SOCKET_IFNAME" not in (s["dsc_rank_env"] or {}) \
                 and not training_address(node.name, hostvars.get(node.name) or {})[1]:

@@ -41,6 +41,7 @@ class NodeRecord:
     local: bool = False  # the control node itself (ansible_connection local)
     lock_current: bool = False  # it holds the lock's files as provision would write them
     wheelhouse_current: bool = False  # its wheelhouse copy is the control node's
+    rsync: bool = False  # its probe found rsync (the dataset's sync needs it; the wheelhouse goes as one tar archive without)
     ops_kind: str = ""  # what its JIT-built ops depend on (packages.op_sources)
     ops_source: str = ""  # the node of its kind that builds them
     network_env: dict[str, str] = field(default_factory=dict)  # its own network settings for the ranks

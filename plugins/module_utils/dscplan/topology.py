@@ -113,7 +113,7 @@ def node_records(names, hostvars, defaults, probes, problems, probe_errors):
             iface=(iface := interface_for(addr, probe.get("interfaces") or {})),
             link_mbps=(probe.get("link_speeds") or {}).get(iface),
             infiniband=bool(probe.get("infiniband")), rdma=list(probe.get("rdma") or []),
-            reachable=reachable,
+            reachable=reachable, rsync=bool(probe.get("rsync")),
             ssh_host_keys=list(probe.get("ssh_host_keys") or []),
             probe_error="" if reachable else str(probe_errors.get(name, "")),
             helper_sha256=probe.get("helper_sha256"),
