@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What continuing on another world size costs at the conversion (docs/runs.md, "Losing a node"):
-# DeepSpeed's universal checkpoint (ds_to_universal, then load_universal) on train.run's GPT.
+# What continuing on another world size costs at the conversion (docs/benchmarks.md): DeepSpeed's
+# universal checkpoint (ds_to_universal, then load_universal) on train.run's GPT.
 #   1. a run trains STEPS steps and saves at SAVE (its losses after SAVE are the reference);
 #   2. ds_to_universal converts that checkpoint (timed);
 #   3. a run resumes from the universal checkpoint with load_universal and trains to STEPS: its
