@@ -1,7 +1,11 @@
 """Which checkpoint tag a load without one takes (dscnode.complete): the newest complete on every
 node, from the marks the entry shim writes after each save. The shim's patch itself runs on two
 "nodes" of this machine in tests/local/test_train.py."""
-from dscnode import complete, supervisor
+import json
+
+import pytest
+
+from dscnode import cli, complete, supervisor
 
 
 def marked(folder, *tags, folders=None):
@@ -112,3 +116,22 @@ def test_checkpoints_no_shim_marked_count_where_they_exist_on_every_node(tmp_pat
             checkpoint(node / "out", n)
     assert pick("out/step_*", master, worker) == ("out/step_1", ["out/step_2 (worker: not there)"])
     assert pick("out/step_*", master) == ("out/step_2", [])
+
+
+@pytest.mark.parametrize("pattern", ["../out/checkpoint-*", "out/../../etc/*", "out/x;id", "out/$(id)",
+                                     "out/checkpoint-*\n", "#jinja2: x", "/etc/*"])
+def test_the_node_helpers_matches_refuses_a_glob_latest_would_not_take(tmp_path, pattern, capsys):
+    """`dsc_node.pyz matches` runs what the supervisor sends it through pdsh: a glob that
+    {latest:GLOB} refuses (leaving the code directory, shell characters, a newline) is refused
+    there too, before any file is looked at."""
+    with pytest.raises(SystemExit) as out:
+        cli.main(["matches", pattern, "--cwd", str(tmp_path)])
+    assert "is not a glob {latest:GLOB} allows" in str(out.value) and capsys.readouterr().out == ""
+
+
+def test_a_link_leading_out_of_the_code_directory_is_no_match(tmp_path, capsys):
+    (tmp_path / "elsewhere" / "checkpoint-9").mkdir(parents=True)
+    checkpoint(tmp_path / "code" / "out", "checkpoint-1", "global_step1", trainer_state=True)
+    (tmp_path / "code" / "out" / "checkpoint-9").symlink_to(tmp_path / "elsewhere" / "checkpoint-9")
+    cli.main(["matches", "out/checkpoint-*", "--cwd", str(tmp_path / "code")])
+    assert list(json.loads(capsys.readouterr().out)) == ["out/checkpoint-1"]
