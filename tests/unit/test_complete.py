@@ -2,6 +2,7 @@
 node, from the marks the entry shim writes after each save. The shim's patch itself runs on two
 "nodes" of this machine in tests/local/test_train.py."""
 import json
+import os
 
 import pytest
 
@@ -118,20 +119,30 @@ def test_checkpoints_no_shim_marked_count_where_they_exist_on_every_node(tmp_pat
     assert pick("out/step_*", master) == ("out/step_2", [])
 
 
+@pytest.fixture
+def node_cli():
+    """The node helper's CLI run in this process: it sets the umask a node's files are made with
+    (0o027), which would otherwise stay for every later test in the process."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    yield cli.main
+    os.umask(umask)
+
+
 @pytest.mark.parametrize("pattern", ["../out/checkpoint-*", "out/../../etc/*", "out/x;id", "out/$(id)",
                                      "out/checkpoint-*\n", "#jinja2: x", "/etc/*"])
-def test_the_node_helpers_matches_refuses_a_glob_latest_would_not_take(tmp_path, pattern, capsys):
+def test_the_node_helpers_matches_refuses_a_glob_latest_would_not_take(tmp_path, pattern, capsys, node_cli):
     """`dsc_node.pyz matches` runs what the supervisor sends it through pdsh: a glob that
     {latest:GLOB} refuses (leaving the code directory, shell characters, a newline) is refused
     there too, before any file is looked at."""
     with pytest.raises(SystemExit) as out:
-        cli.main(["matches", pattern, "--cwd", str(tmp_path)])
+        node_cli(["matches", pattern, "--cwd", str(tmp_path)])
     assert "is not a glob {latest:GLOB} allows" in str(out.value) and capsys.readouterr().out == ""
 
 
-def test_a_link_leading_out_of_the_code_directory_is_no_match(tmp_path, capsys):
+def test_a_link_leading_out_of_the_code_directory_is_no_match(tmp_path, capsys, node_cli):
     (tmp_path / "elsewhere" / "checkpoint-9").mkdir(parents=True)
     checkpoint(tmp_path / "code" / "out", "checkpoint-1", "global_step1", trainer_state=True)
     (tmp_path / "code" / "out" / "checkpoint-9").symlink_to(tmp_path / "elsewhere" / "checkpoint-9")
-    cli.main(["matches", "out/checkpoint-*", "--cwd", str(tmp_path / "code")])
+    node_cli(["matches", "out/checkpoint-*", "--cwd", str(tmp_path / "code")])
     assert list(json.loads(capsys.readouterr().out)) == ["out/checkpoint-1"]

@@ -157,7 +157,6 @@ def test_a_young_lock_made_while_the_stopped_runs_processes_lived_is_stale_at_on
     assert procs.remove_stale_locks(tmp_path, since=since - 5) == [str(tmp_path / "fused_adam" / "lock")]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
 def compilers_running():
     """Whether a process named as a compiler (procs.BUILDERS) runs on this machine now."""
     names = []
@@ -169,14 +168,16 @@ def compilers_running():
     return any(name in procs.BUILDERS for name in names)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
 def test_jit_locks_are_read_as_the_training_user_without_running_an_interpreter(tmp_path):
     """As root the check drops to the training user in a forked child: root's own interpreter
     (here this test's, which 'nobody' may not be able to run) is never executed as that user."""
     ext = Path(tempfile.mkdtemp(prefix="dsc-ext-"))
     try:
-        ext.chmod(0o755)
-        (ext / "cpu_adam").mkdir(mode=0o755)
+        (ext / "cpu_adam").mkdir()
         (ext / "cpu_adam" / "lock").write_text("")
+        for path, mode in ((ext, 0o755), (ext / "cpu_adam", 0o755), (ext / "cpu_adam" / "lock", 0o644)):
+            path.chmod(mode)  # whatever this process's umask
         old = time.time() - 600
         os.utime(ext / "cpu_adam" / "lock", (old, old))
         # Stale, unless a compiler the user cannot see into runs on this machine meanwhile (a
