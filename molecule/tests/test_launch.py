@@ -125,17 +125,17 @@ def test_a_dry_run_writes_a_config_deepspeed_accepts_and_the_hostfile(provisione
     assert [line for line in hostfile.splitlines() if not line.startswith("#")] == ["node1 slots=1", "node2 slots=1"]
 
 
-def test_stop_ends_every_rank_and_resume_continues(provisioned, cluster):
+def test_stop_ends_every_rank_and_resume_continues(provisioned, cluster, figures):
     ended = False
     try:
-        _stop_and_resume(cluster)
+        _stop_and_resume(cluster, figures)
         ended = True  # resumed and followed to its end: nothing of t-long is left for stop.yml
     finally:
         if not ended:
             cluster.playbook("stop.yml", "-e", "run_id=t-long")
 
 
-def _stop_and_resume(cluster):
+def _stop_and_resume(cluster, figures):
     for n in cluster.names:
         cluster.exec(n, "rm -rf /opt/dscluster/runs/t-long")
     # No preflight here (a later resume's preflight is the one this test reads).
@@ -181,15 +181,35 @@ def _stop_and_resume(cluster):
     finished = cluster.playbook("resume.yml", "-e", "run_id=t-long")
     assert finished.returncode != 0 and "run_id 't-long' finished on node1" in finished.output \
         and "-e steps=N to train it on" in finished.output, finished.output[-2000:]
+    end = saved + 4
+    _the_worker_wiped_gets_its_part_back_from_the_masters_copy(cluster, figures, f"step{end}")
     # trained on to a new end, its own configuration kept, from the checkpoint it ended with
     further = cluster.playbook("resume.yml", "-e", "follow=true", "-e", "preflight=false", "-e", "run_id=t-long",
                                "-e", f"steps={saved + 8}")
     assert further.returncode == 0 and f"Run t-long finished at step {saved + 8}." in further.output, further.output[-4000:]
     summary = json.loads(cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/summary.json").stdout)
     assert summary["start_step"] == saved + 4 and summary["steps"] == saved + 8, summary
+    log = cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/launcher.log").stdout
+    assert f"[dsc_node] checkpoint step{end}: node2's part put back from its copy on node1" in log, log[-3000:]
     for n in cluster.names:  # the end every later resume or restart of the run starts from
         kept = json.loads(cluster.exec(n, "cat /opt/dscluster/runs/t-long/train.json").stdout)
         assert kept == dict(TINY, **dict(UNTIL_STOPPED, steps=saved + 8), save_every=10), (n, kept)
+
+
+def _the_worker_wiped_gets_its_part_back_from_the_masters_copy(cluster, figures, tag):
+    """Each node's part of the run's last checkpoint is kept on the other node before the run's
+    end is recorded; the worker's checkpoints then go (a replaced disk)."""
+    ckpt = "/opt/dscluster/runs/t-long/checkpoints"
+    digest = "find . -type f ! -path './.dsc_parts/*' | sort | xargs sha256sum"
+    for node, keeper in (("node1", "node2"), ("node2", "node1")):
+        own = cluster.exec(node, f"cd {ckpt}/{tag} && {digest}").stdout
+        kept = cluster.exec(keeper, f"cd {ckpt}/{tag}/.dsc_parts/{node} && {digest}").stdout
+        assert own and kept == own and "COMPLETE" in own, (node, own, kept)
+    rows = [json.loads(x) for x in cluster.exec(cluster.master, "cat /opt/dscluster/runs/t-long/copies.jsonl").stdout.splitlines()]
+    last = rows[-1]
+    assert last["tag"] == tag and last["kept"] == ["node1's on node2", "node2's on node1"] and not last["failed"], last
+    figures("checkpoint copies", copies=len(rows), bytes=last["bytes"], seconds=last["seconds"])
+    cluster.exec("node2", f"rm -rf {ckpt}")
 
 
 def test_a_users_own_ds_config_is_used_and_validated_by_deepspeed(provisioned, cluster, tmp_path):

@@ -13,7 +13,7 @@ built file). Every command prints one JSON object.
     dsc_node.pyz start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
                        [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
                        [--stall-s S] [--stall-fail] [--py-spy PATH] [--foreground [--attempt N]]
-                       [--used-gpus JSON] -- CMD...
+                       [--used-gpus JSON] [--no-copies] -- CMD...
                                                # under a lock: refuse (or replace) an active run, take the
                                                # first free master port (--port: the one the master took,
                                                # no_ssh mode's other nodes), detach a supervisor that runs CMD,
@@ -23,6 +23,12 @@ built file). Every command prints one JSON object.
                                                #   a restart (null without nvidia-smi)
     dsc_node.pyz matches GLOB --cwd DIR        # a {latest:GLOB}'s matches here and what each holds of a
                                                #   finished save (the supervisor's pick on every node)
+    dsc_node.pyz part-send SAVE_DIR TAG [--copy-of NODE]
+                                               # this node's part of a node-local checkpoint (or its copy
+                                               #   of NODE's) as a tar stream: the supervisor pipes it
+    dsc_node.pyz part-receive SAVE_DIR TAG [--from NODE]
+                                               #   into this on the node that keeps it (dscnode.copies)
+    dsc_node.pyz part-held SAVE_DIR            # the checkpoints complete here and the copies kept here
     dsc_node.pyz procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
     dsc_node.pyz stop RUN_ID [--grace S] [--run-dir DIR [--by WHO]] [--ext-dir DIR]
                                                # mark the run stopped (by WHO), TERM, then KILL after
@@ -111,6 +117,8 @@ def start_arguments(p):
     p.add_argument("--foreground", action="store_true", help="supervise in this process (Slurm's task on a node)")
     p.add_argument("--attempt", type=int, default=0, help="the Slurm batch job's restart: resume from the checkpoint")
     p.add_argument("--used-gpus", default="{}", help="JSON {node: GPU indices}: what the GPU gate judges before a restart")
+    p.add_argument("--no-copies", action="store_true", help="keep no copy of each node's checkpoint part on "
+                                                             "another node (dscnode.copies)")
 
 
 def parser():
@@ -144,6 +152,19 @@ def parser():
                                     "a finished save (the supervisor's newest complete on every node)")
     p.add_argument("pattern")
     p.add_argument("--cwd", required=True)
+    p = action("part-send", _part_send, "this node's part of a node-local checkpoint (or, with --copy-of, "
+                                        "its copy of that node's part) as a tar stream on stdout")
+    p.add_argument("save_dir")
+    p.add_argument("tag")
+    p.add_argument("--copy-of")
+    p = action("part-receive", _part_receive, "keep the part a tar stream on stdin holds: as the copy of "
+                                              "--from's part, or as this node's own part, put back")
+    p.add_argument("save_dir")
+    p.add_argument("tag")
+    p.add_argument("--from", dest="from_node")
+    p = action("part-held", _part_held, "the checkpoints of a save directory marked complete here, and "
+                                        "the other nodes' parts kept here")
+    p.add_argument("save_dir")
     p = action("procs", _procs, "the processes that carry DSC_RUN_ID=RUN_ID")
     p.add_argument("run_id")
     p = action("stop", _stop, "mark the run stopped, TERM its processes, KILL them after the grace")
@@ -222,6 +243,22 @@ def _matches(a):
     print(json.dumps(match_states(a.pattern, a.cwd)))
 
 
+def _part_send(a):
+    from dscnode.copies import send
+    send(a.save_dir, a.tag, a.copy_of)
+
+
+def _part_receive(a):
+    from dscnode.copies import receive
+    receive(a.save_dir, a.tag, a.from_node)
+
+
+def _part_held(a):
+    from dscnode.copies import checked, held
+    checked(a.save_dir, "x")
+    print(json.dumps(held(a.save_dir)))
+
+
 def _gpu_health(a):
     from dscnode.gpuhealth import report
     print(json.dumps(report(json.loads(a.gpus))))
@@ -243,7 +280,8 @@ def _start(a):
                  replace=a.replace, hosts=hosts(a.hosts), max_restarts=a.max_restarts,
                  backoff=a.backoff, resume_args=json.loads(a.resume_args),
                  stall={"timeout_s": a.stall_s, "fail": a.stall_fail, "py_spy": a.py_spy}, port=a.port,
-                 foreground=a.foreground, attempt=a.attempt, used_gpus=json.loads(a.used_gpus))
+                 foreground=a.foreground, attempt=a.attempt, used_gpus=json.loads(a.used_gpus),
+                 copies=not a.no_copies)
 
 
 def _procs(a):

@@ -53,6 +53,8 @@ class RunDir:
     OP_BUILDS = "op_builds.jsonl"  # each rank's JIT op build, its start and its end (entry)
     RANKS = "ranks.jsonl"         # every window of steps, each rank's step and collective times (entry, rank 0)
     SLOW = "slow.json"            # the rank the others wait for, while it is so (the supervisor)
+    SAVES = "saves.jsonl"         # each node-local checkpoint saved, once training moved on from it (entry, rank 0)
+    COPIES = "copies.jsonl"       # where each save's parts were also kept (the supervisor, dscnode.copies)
     NCCL = "nccl_debug"           # each GPU rank's NCCL INIT and NET lines, <host>-<pid>.log (entry, dscnode.nccllog)
 
     @staticmethod

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from dscnode import complete, gpuhealth, stragglers
+from dscnode import complete, copies, gpuhealth, stragglers
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
 from dscnode.records import step_downs
@@ -151,12 +151,13 @@ class Stall:
         return record
 
 
-def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
+def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None, copier=None):
     """Wait for the launcher; when a node fails and the run has not ended grace seconds later
     (ranks elsewhere blocked in a collective with a dead peer), tear it down everywhere. A
     stall (`stall`: {timeout_s, fail, py_spy, ras}) is marked in the run directory, with every rank's
     stack (py_spy: the env's py-spy), and with fail it ends the attempt as a failure (teardown, then a restart when max_restarts allows). `seen` (a dict) gets
-    the attempt's first out-of-memory line ("oom")."""
+    the attempt's first out-of-memory line ("oom"); `copier` (copies.Copier) keeps each new
+    checkpoint's parts on other nodes meanwhile."""
     seen = {} if seen is None else seen
     log = run / RunDir.LOG
     events, deadline, torn = [], None, None
@@ -182,6 +183,8 @@ def watch(child, run, run_id, hosts, pos, grace=3.0, stall=None, seen=None):
         if time.time() - checked >= 2:
             checked = time.time()
             slow.check()
+            if copier:
+                copier.poll()
             stalled = stalls.check(checked)
             if stalled and stalled.get("first") and (stall.get("py_spy") or stall.get("ras")):
                 try:
@@ -313,7 +316,8 @@ def with_resume(cmd, resume_args):
     return list(cmd) + ([] if resumes else list(resume_args))
 
 
-def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None, used_gpus=None):
+def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None, used_gpus=None,
+              keep_copies=True):
     log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -329,6 +333,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     base = at_step(cmd, run, len(step_downs(run.path)))
     attempt = list(base)
     stall = dict(stall or {}, ras=any((used_gpus or {}).values()))  # on GPU nodes a stall asks NCCL's RAS too
+    copier = copies.Copier(run, hosts, keep_copies)
     while True:
         # Where this attempt's output starts, taken before the spawn: its first failure line is
         # never missed, and status reads the latest attempt's error, not an earlier one's.
@@ -336,10 +341,17 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         (run / RunDir.FAILURE).unlink(missing_ok=True)  # the cause shown is this attempt's
         best_effort(write_atomic, run / RunDir.ATTEMPT,
                     json.dumps({"attempt": restarts + 1, "offset": offset}) + "\n")
+        if copier.enabled:  # a node that lost its part of the newest checkpoint gets it back
+            try:
+                copies.restore(run, hosts)
+            except Exception as e:  # noqa: BLE001 - the attempt still starts, from what the nodes hold
+                print(f"[dsc_node] no checkpoint part was put back: {e}", flush=True)
         child = subprocess.Popen(resolve_latest(attempt, hosts=list(hosts)), env=env, stdin=subprocess.DEVNULL)
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         seen = {}
-        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen)
+        code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen, copier=copier)
+        if not (run / RunDir.STOPPED).exists():
+            copier.finish()  # the attempt's last checkpoint too, before a restart or the run's end
         if cause:
             record_failure(run, cause, exit_code=code, teardown=torn, restarts=restarts)
         if code == 0 or (run / RunDir.STOPPED).exists():

@@ -368,3 +368,35 @@ def test_a_ranks_peaks_are_labelled_with_the_ladder_step_its_command_names(tmp_p
     assert entry.EngineWatch.configuration(tmp_path, first)["micro_batch"] == 16
     stepped = entry.EngineWatch.configuration(tmp_path, ["--deepspeed_config", str(tmp_path / "ds_config.step1.json")])
     assert (stepped["preset"], stepped["micro_batch"], stepped["predicted"]) == ("zero2", 8, 1)
+
+
+def test_rank_0_records_a_node_local_save_once_training_moved_on_from_it(tmp_path):
+    """saves.jsonl, what the supervisor copies to other nodes (dscnode.copies): a node-local save
+    is recorded by global rank 0 at its next optimizer step (the script has written what it adds
+    after the engine's save by then: train.run's COMPLETE, HF's trainer_state.json), never by
+    another rank, nor where checkpoints are on shared storage."""
+    run, ckpt = tmp_path / "r1", tmp_path / "ckpt"
+    run.mkdir()
+    ckpt.mkdir()
+
+    class Engine(FakeEngine):
+        def __init__(self, rank, node_local=True):
+            super().__init__(rank)
+            self.local_rank, self.node_local = rank, node_local
+
+        def use_node_local_storage(self):
+            return self.node_local
+    watch = entry.EngineWatch(run / "progress.jsonl")
+    watch.patch(Engine)
+    master, worker, shared = Engine(0), Engine(1), Engine(0, node_local=False)
+    master.step()
+    master.save_checkpoint(str(ckpt), tag="step1")
+    worker.save_checkpoint(str(ckpt), tag="step1")
+    assert not (run / rundir.RunDir.SAVES).exists()
+    master.step()
+    worker.step()
+    saves = [json.loads(x) for x in (run / rundir.RunDir.SAVES).read_text().splitlines()]
+    assert [(s["save_dir"], s["tag"], s["step"]) for s in saves] == [(str(ckpt), "step1", 1)]
+    shared.save_checkpoint(str(ckpt), tag="step2")
+    shared.step()
+    assert len((run / rundir.RunDir.SAVES).read_text().splitlines()) == 1

@@ -73,6 +73,7 @@ class Launcher(ABC):
                        "--stall-s", str(int(opt["dsc_stall_timeout_s"])), "--py-spy", py_spy,
                        "--used-gpus", json.dumps({n.name: n.used_gpus for n in nodes})]
                 + (["--stall-fail"] if as_bool(opt["dsc_stall_fail"]) else [])
+                + ([] if as_bool(opt["dsc_checkpoint_copies"]) else ["--no-copies"])
                 + (["--replace"] if as_bool(opt["replace"]) else [])
                 for node in commands}
 
