@@ -229,20 +229,22 @@ def keep_copies(save, hosts, record):
 
 class Copier:
     """The supervisor's copies of the run's saves: the newest save recorded (SAVES) not yet copied
-    is copied in a thread of its own, one at a time (a save recorded meanwhile waits, an older
-    waiting one is skipped)."""
+    is copied in a thread of its own, one at a time, copying at most DUTY of the time (a save
+    recorded meanwhile waits, an older waiting one is skipped; the run's last is always copied)."""
+
+    DUTY = 0.1  # after a copy that took t seconds, the next starts t / DUTY after it started
 
     def __init__(self, run, hosts, enabled=True):
         self.run, self.hosts = run, list(hosts)
         self.enabled = enabled and len(self.hosts) > 1
         self.seen = {json.dumps(s, sort_keys=True) for s in self.saves()}  # copied, or before this supervisor
-        self.waiting, self.thread = None, None
+        self.waiting, self.thread, self.next_at = None, None, 0.0
 
     def saves(self):
         return [s for s in last_lines(self.run / RunDir.SAVES, 1000) if isinstance(s, dict)
                 and isinstance(s.get("save_dir"), str) and isinstance(s.get("tag"), str)]
 
-    def poll(self):
+    def poll(self, paced=True):
         if not self.enabled:
             return
         for save in self.saves():
@@ -250,23 +252,25 @@ class Copier:
             if key not in self.seen:
                 self.seen.add(key)
                 self.waiting = save
-        if self.waiting and not (self.thread and self.thread.is_alive()):
+        if self.waiting and not (self.thread and self.thread.is_alive()) and (not paced or time.time() >= self.next_at):
             save, self.waiting = self.waiting, None
             self.thread = threading.Thread(target=self.copy, args=(save,), daemon=True)
             self.thread.start()
 
     def copy(self, save):
+        started = time.time()
         try:
             checked(save["save_dir"], save["tag"])
             keep_copies(save, self.hosts, self.run / RunDir.COPIES)
         except (SystemExit, Exception) as e:  # noqa: BLE001 - a copy lost is said, the run goes on
             print(f"[dsc_node] checkpoint {save.get('tag')}: not copied: {e}", flush=True)
+        self.next_at = started + (time.time() - started) / self.DUTY
 
     def finish(self, timeout=TIMEOUT_S):
         """Copy what is still waiting (the run's last save) before the run's end is recorded."""
         deadline = time.time() + timeout
         while self.enabled and time.time() < deadline:
-            self.poll()
+            self.poll(paced=False)
             if not self.waiting and not (self.thread and self.thread.is_alive()):
                 return
             time.sleep(0.5)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -105,3 +106,39 @@ def test_save_dirs_and_tags_a_command_line_would_need_quoted_are_refused(save_di
     with pytest.raises(SystemExit) as out:
         copies.checked(save_dir, tag)
     assert "is refused: it must be an absolute path" in str(out.value)
+
+
+def test_the_copier_takes_the_newest_save_waiting_at_most_its_duty_of_the_time_and_always_the_last(tmp_path, monkeypatch):
+    """Saves faster than copies: a copy starts no sooner than its predecessor's time / DUTY after
+    that one started, the newest waiting save is taken and older waiting ones skipped; the run's
+    last save is copied at its end whatever the pace (finish)."""
+    run = RunDir(tmp_path)
+    copied = []
+
+    def keep(save, hosts, record):
+        copied.append((save["tag"], round(time.time() - t0, 2)))
+        time.sleep(0.2)
+    monkeypatch.setattr(copies, "keep_copies", keep)
+
+    def save(tag):
+        with open(run / RunDir.SAVES, "a") as f:
+            f.write(json.dumps({"save_dir": "/ckpt", "tag": tag, "step": 0}) + "\n")
+    save("step0")  # before this supervisor: not its to copy
+    copier = copies.Copier(run, ["node1", "node2"])
+    copier.DUTY = 0.25  # a copy of 0.2 s: the next no sooner than 0.8 s after it started
+    t0 = time.time()
+    save("step1")
+    copier.poll()
+    for tag in ("step2", "step3"):
+        time.sleep(0.3)
+        save(tag)
+        copier.poll()
+    assert [tag for tag, _ in copied] == ["step1"]
+    while time.time() - t0 < 1.2:
+        copier.poll()
+        time.sleep(0.05)
+    save("step4")
+    copier.finish(timeout=10)
+    assert [tag for tag, _ in copied] == ["step1", "step3", "step4"]
+    assert copied[1][1] >= 0.8 and copied[2][1] < copied[1][1] + 0.8, copied  # the last: unpaced
+    assert not copies.Copier(run, ["node1"]).enabled  # one node: nowhere else to keep a part
