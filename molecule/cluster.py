@@ -80,6 +80,7 @@ NONDEFAULT_SSH_PORT = 2222
 # torch's and DeepSpeed's pinned versions (requirements/pins.env), as the nodes should have them.
 # What the tests install beside the wheelhouse (scripts/test.sh fetches it before the tests).
 TEST_PACKAGES = Path(os.environ.get("DSC_TEST_PACKAGES", ROOT / ".cache" / "test-packages"))
+WHEELHOUSE = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))  # the nodes' wheels (scripts/wheelhouse.sh)
 PINS = dict(line.split("=", 1) for line in (ROOT / "requirements" / "pins.env").read_text().splitlines()
             if line.strip() and not line.startswith("#"))
 os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "molecule" / "containers.conf"))
@@ -287,8 +288,7 @@ PROVISION_INPUTS = ("ansible.cfg", "provision.yml", "playbooks", "roles", "plugi
 
 def provision_digest():
     h = hashlib.sha256(sh("podman", "image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.encode())
-    wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
-    files = [ROOT / p for p in PROVISION_INPUTS] + [wheelhouse / "requirements.lock"]
+    files = [ROOT / p for p in PROVISION_INPUTS] + [WHEELHOUSE / "requirements.lock"]
     for top in files:
         for f in sorted([top] if top.is_file() else top.rglob("*")):
             # Callbacks shape only what a playbook prints, never what it installs.
@@ -372,7 +372,6 @@ def write_inventory(hosts, inv=STATE / "inventory", known_hosts=STATE / "known_h
         lines += [f"        {h['name']}:", f"          ansible_host: {h['ip']}",
                   f"          ansible_port: {h['port']}", "          dsc_slots: 1"]
     (inv / "hosts.yml").write_text("\n".join(lines) + "\n")
-    wheelhouse = os.environ.get("DSC_WHEELHOUSE", str(ROOT / ".cache" / "wheelhouse"))
     (inv / "group_vars" / "all.yml").write_text(f"""---
 ansible_user: root
 ansible_ssh_private_key_file: {STATE / 'id_ed25519'}
@@ -380,7 +379,7 @@ ansible_ssh_common_args: -o UserKnownHostsFile={known_hosts}
 dsc_cluster_name: testcluster
 dsc_env_manager: venv
 dsc_torch_variant: cpu
-dsc_wheelhouse: {wheelhouse}
+dsc_wheelhouse: {WHEELHOUSE}
 # The vendored third-party scripts' packages (molecule/tests/test_own_scripts.py).
 dsc_requirements_file: {ROOT / 'tests' / 'fixtures' / 'scripts' / 'requirements.txt'}
 # A followed run's poll returns as soon as the run ends: a long interval costs no time, and spares

@@ -6,12 +6,11 @@ max_restarts; their requirements on every node; a dataset synced; secrets that r
 nothing else; and the bad inputs refused before any node changes."""
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-from cluster import FACTS, TEST_PACKAGES, lock_pins, wait
+from cluster import FACTS, TEST_PACKAGES, WHEELHOUSE, lock_pins, wait
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "scripts"
@@ -124,8 +123,7 @@ def test_requirements_are_installed_at_the_same_version_on_every_node(provisione
     assert f"changed: [{cluster.master}]" in task(provisioned["bare"], "Install the lock's wheels")
     installed = task(provisioned["cluster"], "Install the lock's wheels")
     assert all(f"skipping: [{n}]" in installed for n in cluster.names), installed
-    wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
-    lock = lock_pins((wheelhouse / "requirements.lock").read_text())
+    lock = lock_pins((WHEELHOUSE / "requirements.lock").read_text())
     for n in cluster.names:
         got = cluster.versions(n, f"{ENV}/bin/python", lock)
         assert got == lock, (n, {k: (v, lock[k]) for k, v in got.items() if v != lock[k]})

@@ -9,11 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 
-from cluster import EXT_DIR, OUTSIDER, OUTSIDER_IP, PINS, ROOT, TEST_PACKAGES, lock_pins
+from cluster import EXT_DIR, OUTSIDER, OUTSIDER_IP, PINS, ROOT, TEST_PACKAGES, WHEELHOUSE, lock_pins
 from dscnode import warm_record
 
 
@@ -83,13 +82,12 @@ def test_index_installs_take_exactly_the_hashed_node_lock(provisioned, cluster, 
     a file changed on the index is refused on every node before anything is installed; then the
     real install into a fresh install root: the wheels, then DeepSpeed built from its sdist
     without build isolation. JIT op warming is left out (the main provision covers it)."""
-    wheelhouse = Path(os.environ.get("DSC_WHEELHOUSE", ROOT / ".cache" / "wheelhouse"))
     sdist = [f for f in TEST_PACKAGES.glob("*") if f.name.startswith(("deepspeed-", "wheel-"))]
     assert len(sdist) == 2, f"{TEST_PACKAGES} lacks DeepSpeed's source archive or wheel: scripts/test.sh fetches them"
     # The index: one folder per project (canonical name), listed by http.server; DeepSpeed as
     # PyPI has it, a source archive only (the wheelhouse's wheel of it is built there).
     index = tmp_path / "index"
-    for f in [w for w in wheelhouse.glob("*.whl") if not w.name.startswith("deepspeed-")] + sdist:
+    for f in [w for w in WHEELHOUSE.glob("*.whl") if not w.name.startswith("deepspeed-")] + sdist:
         name = parse_wheel_filename(f.name)[0] if f.suffix == ".whl" else parse_sdist_filename(f.name)[0]
         (index / "simple" / canonicalize_name(name)).mkdir(parents=True, exist_ok=True)
         shutil.copy(f, index / "simple" / canonicalize_name(name) / f.name)

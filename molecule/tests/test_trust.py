@@ -14,12 +14,10 @@ import base64
 import hashlib
 import io
 import json
-import os
 import time
 import zipfile
-from pathlib import Path
 
-from cluster import HELPER, TINY, UNTIL_STOPPED, wait
+from cluster import HELPER, TINY, UNTIL_STOPPED, WHEELHOUSE, wait
 from dscnode import warm_record
 from dscnode.probe import tree_digest
 
@@ -57,7 +55,6 @@ def root_env_settings():
                               "deepspeed_warm_ops": {"cpu": [], "cuda": []}})]
 
 
-WHEELHOUSE = Path(os.environ.get("DSC_WHEELHOUSE", Path(__file__).resolve().parents[2] / ".cache" / "wheelhouse"))
 RSYNC = "/usr/bin/rsync"
 
 
