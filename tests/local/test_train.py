@@ -26,8 +26,9 @@ NODE_PATH = {"PYTHONPATH": str(ROOT / "node")}
 # venv's bin first on PATH (its ninja builds the ops, the one test_warm reads them with; ninja 1.13
 # drops the log an older system ninja wrote, "build log version is too old; starting over", and
 # builds again), one JIT cache (an op is built once for the whole tier), one thread a rank.
+JIT_CACHE = ROOT / ".cache" / "torch_extensions"
 RANK_ENV = dict(NODE_PATH, DS_ACCELERATOR="cpu", PATH=f"{VENV / 'bin'}:{os.environ['PATH']}",
-                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"), OMP_NUM_THREADS="1")
+                TORCH_EXTENSIONS_DIR=str(JIT_CACHE), OMP_NUM_THREADS="1")
 
 
 def free_port():

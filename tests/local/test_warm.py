@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from dscnode.warm import op_state
+from tests.local.test_train import JIT_CACHE as RANKS_CACHE  # the JIT cache test_train's ranks build into
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("DSC_TRAIN_VENV", ROOT / ".cache" / "train-venv"))
-# The JIT cache test_train's ranks build into: its op is reused here when it is there.
-RANKS_CACHE = ROOT / ".cache" / "torch_extensions"
 
 pytestmark = pytest.mark.skipif(not (VENV / "bin" / "deepspeed").exists(),
                                 reason=f"no train venv at {VENV} (scripts/test.sh builds it)")
