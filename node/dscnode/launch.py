@@ -87,17 +87,18 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     cmd = [cmd[0], "--master_port", str(port)] + list(cmd[1:])
     (run / RunDir.EXIT).unlink(missing_ok=True)
     (run / RunDir.FAILURE).unlink(missing_ok=True)
-    if attempt:
-        refused = gpu_gate(list(hosts)[:1], used_gpus or {})
-        if refused:  # the run's cause, as the supervisor's own restarts record it
-            cause = gate_cause(refused)
-            record_failure(run, cause, restarts=attempt)
-            (run / RunDir.RESTARTING).unlink(missing_ok=True)
-            print(json.dumps({"started": False, "error": describe(cause)}))
-            return 6
-        write_atomic(run / RunDir.RESTARTS, f"{attempt}\n")
-        cmd = with_resume(cmd, resume_args)
-    (run / RunDir.RESTARTING).unlink(missing_ok=True)
+    try:
+        if attempt:
+            refused = gpu_gate(list(hosts)[:1], used_gpus or {})
+            if refused:  # the run's cause, as the supervisor's own restarts record it
+                cause = gate_cause(refused)
+                record_failure(run, cause, restarts=attempt)
+                print(json.dumps({"started": False, "error": describe(cause)}))
+                return 6
+            write_atomic(run / RunDir.RESTARTS, f"{attempt}\n")
+            cmd = with_resume(cmd, resume_args)
+    finally:  # the batch job's restart has begun here, or the gate refused it
+        (run / RunDir.RESTARTING).unlink(missing_ok=True)
     if foreground:
         lock.close()
         supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall, used_gpus, copies)
