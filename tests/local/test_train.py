@@ -47,6 +47,9 @@ def forget_shm(port):
         f.unlink(missing_ok=True)
 
 
+LAUNCH_TIMEOUT_S = 1800  # cpu_adam's build took over 600 s there on a slow 2-core machine
+
+
 def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True, program=("train.run",), env=None):
     """DeepSpeed's launcher over `ranks` gloo ranks of `program` (python -m's arguments: train.run,
     or the node helper's entry shim and a script), with train.run's --set options."""
@@ -60,8 +63,8 @@ def launch(run_dir: Path, ds: dict, *sets, resume=False, ranks=2, check=True, pr
         cmd += ["--set", s]
     if resume:
         cmd.append("--resume")
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:  # at low priority beside the container tier, an op's first build can wait long for CPU
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     finally:
         forget_shm(port)
     if check:
