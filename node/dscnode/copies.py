@@ -5,9 +5,8 @@ supervisor relays each part: `send` on the node that holds it, piped through ssh
 the node that keeps it, both as the training user, at low priority, while the run trains on.
 
 The entry shim records each save of a node-local checkpoint in the run directory (SAVES, global
-rank 0) once training has moved on from it (its next optimizer step, or the process's end), so a
-part is copied after the script has finished writing it (train.run's COMPLETE, HF's
-trainer_state.json). A copy lives in the checkpoint's own tag folder, `<tag>/.dsc_parts/<node>/`:
+rank 0); the supervisor copies it once the run has logged a later step, or has ended, so a part is
+copied after the script has finished writing it (train.run's COMPLETE, HF's trainer_state.json). A copy lives in the checkpoint's own tag folder, `<tag>/.dsc_parts/<node>/`:
 a retention that removes the checkpoint removes its copies with it, and DeepSpeed's loaders,
 which read their own file names in the tag folder, never see it.
 
@@ -234,8 +233,8 @@ class Copier:
 
     DUTY = 0.1  # after a copy that took t seconds, the next starts t / DUTY after it started
 
-    def __init__(self, run, hosts, enabled=True):
-        self.run, self.hosts = run, list(hosts)
+    def __init__(self, run, hosts, enabled=True, logged_step=lambda: None):
+        self.run, self.hosts, self.logged_step = run, list(hosts), logged_step  # the run's latest logged step
         self.enabled = enabled and len(self.hosts) > 1
         self.seen = {json.dumps(s, sort_keys=True) for s in self.saves()}  # copied, or before this supervisor
         self.waiting, self.thread, self.next_at = None, None, 0.0
@@ -244,7 +243,9 @@ class Copier:
         return [s for s in last_lines(self.run / RunDir.SAVES, 1000) if isinstance(s, dict)
                 and isinstance(s.get("save_dir"), str) and isinstance(s.get("tag"), str)]
 
-    def poll(self, paced=True):
+    def poll(self, ended=False):
+        """Take the newest save recorded; copy the one waiting where no copy runs, the run has
+        moved on from it (a later step logged) and the pace allows, or, `ended`, at once."""
         if not self.enabled:
             return
         for save in self.saves():
@@ -252,7 +253,11 @@ class Copier:
             if key not in self.seen:
                 self.seen.add(key)
                 self.waiting = save
-        if self.waiting and not (self.thread and self.thread.is_alive()) and (not paced or time.time() >= self.next_at):
+        if not self.waiting or (self.thread and self.thread.is_alive()):
+            return
+        step = self.logged_step()
+        moved_on = isinstance(step, int) and step > self.waiting.get("step", 0)
+        if ended or (moved_on and time.time() >= self.next_at):
             save, self.waiting = self.waiting, None
             self.thread = threading.Thread(target=self.copy, args=(save,), daemon=True)
             self.thread.start()
@@ -267,10 +272,11 @@ class Copier:
         self.next_at = started + (time.time() - started) / self.DUTY
 
     def finish(self, timeout=TIMEOUT_S):
-        """Copy what is still waiting (the run's last save) before the run's end is recorded."""
+        """Copy what is still waiting (the attempt's last save) once its processes have ended,
+        before a restart or the run's end is recorded."""
         deadline = time.time() + timeout
         while self.enabled and time.time() < deadline:
-            self.poll(paced=False)
+            self.poll(ended=True)
             if not self.waiting and not (self.thread and self.thread.is_alive()):
                 return
             time.sleep(0.5)

@@ -65,9 +65,8 @@ class EngineWatch:
     - checkpoints complete across the cluster: each save's tag is marked complete once DeepSpeed's
       save returns, and a load without a tag takes the newest tag complete on every node
       (dscnode.complete), not a node's own `latest`.
-    - node-local saves recorded: global rank 0 appends each to saves.jsonl once training moves on
-      from it (its next optimizer step, or its end), and the supervisor keeps each node's part on
-      another node too (dscnode.copies).
+    - node-local saves recorded: global rank 0 appends each to saves.jsonl, and the supervisor
+      keeps each node's part on another node too (dscnode.copies).
     Applied when deepspeed.runtime.engine is imported (AfterImport), whoever imports it (the
     script, HF's Trainer, accelerate)."""
 
@@ -83,7 +82,6 @@ class EngineWatch:
         self.time, self.samples = time.time(), 0
         self.engine = None
         self.total_steps = None  # where the script's trainer says it (watch_trainer)
-        self.saved = None  # global rank 0's newest node-local save, until training moves on from it
 
     @staticmethod
     def configuration(run_dir, argv):
@@ -144,8 +142,6 @@ class EngineWatch:
                 hook.times.stepped(engine)
             if hook.measured and 0 < engine.global_steps <= hook.MEASURE_STEPS:
                 hook.record_peak(engine)
-            if hook.saved:  # the script is done with its save (train.run's COMPLETE, HF's trainer_state.json)
-                hook.record_save()
             if engine.global_rank == 0 and engine.global_steps != hook.step:
                 hook.step, hook.engine = engine.global_steps, engine
                 if time.time() - hook.time >= hook.every or hook.written_step == 0:
@@ -160,7 +156,7 @@ class EngineWatch:
                     write_atomic(Path(save_dir) / "latest", str(tag))
                 complete.mark(save_dir, tag)
             if engine.global_rank == 0 and engine.use_node_local_storage():
-                hook.saved = {"save_dir": os.path.abspath(save_dir), "tag": str(tag), "step": engine.global_steps}
+                hook.record_save(save_dir, tag, engine.global_steps)
             return out
 
         def agreed_load(engine, load_dir, tag=None, *args, **kwargs):
@@ -179,16 +175,15 @@ class EngineWatch:
         engine_class.backward, engine_class.step = watched_backward, watched_step
         engine_class.save_checkpoint, engine_class.load_checkpoint = node_local_save, agreed_load
         atexit.register(lambda: self.step != self.written_step and self.write())
-        atexit.register(lambda: self.saved and self.record_save())
 
-    def record_save(self):
-        """The save training moved on from, for the supervisor to keep each node's part of it on
-        another node too (dscnode.copies)."""
+    def record_save(self, save_dir, tag, step):
+        """A node-local save, for the supervisor to keep each node's part of it on another node too
+        (dscnode.copies), once the run has logged a later step or ended."""
         try:
-            append_line(self.path.parent / RunDir.SAVES, json.dumps(dict(self.saved, time=round(time.time(), 1))))
+            append_line(self.path.parent / RunDir.SAVES, json.dumps(
+                {"save_dir": os.path.abspath(save_dir), "tag": str(tag), "step": step, "time": round(time.time(), 1)}))
         except OSError:
             pass
-        self.saved = None
 
     def record_engine(self, engine):
         """engine.json: the ZeRO stage the engine runs with (status and runs.yml show it where

@@ -333,7 +333,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     base = at_step(cmd, run, len(step_downs(run.path)))
     attempt = list(base)
     stall = dict(stall or {}, ras=any((used_gpus or {}).values()))  # on GPU nodes a stall asks NCCL's RAS too
-    copier = copies.Copier(run, hosts, keep_copies)
+    copier = copies.Copier(run, hosts, keep_copies, logged_step=lambda: run_steps(run))
     while True:
         # Where this attempt's output starts, taken before the spawn: its first failure line is
         # never missed, and status reads the latest attempt's error, not an earlier one's.

@@ -108,37 +108,43 @@ def test_save_dirs_and_tags_a_command_line_would_need_quoted_are_refused(save_di
     assert "is refused: it must be an absolute path" in str(out.value)
 
 
-def test_the_copier_takes_the_newest_save_waiting_at_most_its_duty_of_the_time_and_always_the_last(tmp_path, monkeypatch):
-    """Saves faster than copies: a copy starts no sooner than its predecessor's time / DUTY after
-    that one started, the newest waiting save is taken and older waiting ones skipped; the run's
-    last save is copied at its end whatever the pace (finish)."""
+def test_the_copier_copies_a_save_once_the_run_moved_on_at_its_pace_and_the_last_at_the_end(tmp_path, monkeypatch):
+    """A save is copied once the run has logged a later step (the script has written what it
+    adds after DeepSpeed's save by then); a copy starts no sooner than its predecessor's time /
+    DUTY after that one started, the newest waiting save is taken and older waiting ones skipped;
+    the attempt's last save is copied once it has ended, whatever the pace (finish)."""
     run = RunDir(tmp_path)
-    copied = []
+    copied, logged = [], {"step": 0}
 
     def keep(save, hosts, record):
         copied.append((save["tag"], round(time.time() - t0, 2)))
         time.sleep(0.2)
     monkeypatch.setattr(copies, "keep_copies", keep)
 
-    def save(tag):
+    def save(step):
         with open(run / RunDir.SAVES, "a") as f:
-            f.write(json.dumps({"save_dir": "/ckpt", "tag": tag, "step": 0}) + "\n")
-    save("step0")  # before this supervisor: not its to copy
-    copier = copies.Copier(run, ["node1", "node2"])
+            f.write(json.dumps({"save_dir": "/ckpt", "tag": f"step{step}", "step": step}) + "\n")
+        logged["step"] = step
+    save(0)  # before this supervisor: not its to copy
+    copier = copies.Copier(run, ["node1", "node2"], logged_step=lambda: logged["step"])
     copier.DUTY = 0.25  # a copy of 0.2 s: the next no sooner than 0.8 s after it started
     t0 = time.time()
-    save("step1")
+    save(1)
     copier.poll()
-    for tag in ("step2", "step3"):
+    assert copied == []  # the script may still be writing its part
+    logged["step"] = 2
+    copier.poll()
+    for step in (3, 4):
         time.sleep(0.3)
-        save(tag)
+        save(step)
+        logged["step"] = step + 1
         copier.poll()
     assert [tag for tag, _ in copied] == ["step1"]
     while time.time() - t0 < 1.2:
         copier.poll()
         time.sleep(0.05)
-    save("step4")
+    save(5)  # the attempt's last: no later step is logged
     copier.finish(timeout=10)
-    assert [tag for tag, _ in copied] == ["step1", "step3", "step4"]
+    assert [tag for tag, _ in copied] == ["step1", "step4", "step5"]
     assert copied[1][1] >= 0.8 and copied[2][1] < copied[1][1] + 0.8, copied  # the last: unpaced
     assert not copies.Copier(run, ["node1"]).enabled  # one node: nowhere else to keep a part
