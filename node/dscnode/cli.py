@@ -255,7 +255,7 @@ def _part_receive(a):
 
 def _part_held(a):
     from dscnode.copies import checked, held
-    checked(a.save_dir, "x")
+    checked(a.save_dir)
     print(json.dumps(held(a.save_dir)))
 
 

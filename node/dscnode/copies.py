@@ -6,9 +6,10 @@ the node that keeps it, both as the training user, at low priority, while the ru
 
 The entry shim records each save of a node-local checkpoint in the run directory (SAVES, global
 rank 0); the supervisor copies it once the run has logged a later step, or has ended, so a part is
-copied after the script has finished writing it (train.run's COMPLETE, HF's trainer_state.json). A copy lives in the checkpoint's own tag folder, `<tag>/.dsc_parts/<node>/`:
-a retention that removes the checkpoint removes its copies with it, and DeepSpeed's loaders,
-which read their own file names in the tag folder, never see it.
+copied after the script has finished writing it (train.run's COMPLETE, HF's trainer_state.json).
+A copy lives in the checkpoint's own tag folder, `<tag>/.dsc_parts/<node>/`: a retention that
+removes the checkpoint removes its copies with it, and DeepSpeed's loaders, which read their own
+file names in the tag folder, never see it.
 
 Before every attempt (a launch, a resume, a restart) the supervisor puts back, from its copy, the
 part of any node that lacks a checkpoint every other node holds complete (a node whose disk was
@@ -41,16 +42,17 @@ def refuse(what, value):
                      "of letters, digits and @%+=:,._- alone")
 
 
-def checked(save_dir, tag, node=None):
-    """The tag folder, where the save directory is absolute without `..` and the tag (and the node)
-    single names a command line takes unquoted; SystemExit otherwise."""
+def checked(save_dir, tag=None, node=None):
+    """The tag folder (without a tag, the save directory), where the save directory is absolute
+    without `..` and the tag and the node single names a command line takes unquoted; SystemExit
+    otherwise."""
     if not (save_dir.startswith("/") and SHELL_SAFE.fullmatch(save_dir)
             and ".." not in save_dir.split("/")):
         refuse("the save directory", save_dir)
     for what, value in (("the tag", tag), ("the node", node)):
         if value is not None and (not NAME.fullmatch(value) or value in (".", "..")):
             refuse(what, value)
-    return os.path.join(save_dir, tag)
+    return os.path.join(save_dir, tag) if tag else save_dir
 
 
 def ring(hosts):
@@ -292,7 +294,7 @@ def restore(run, hosts):
         return
     save_dir = saves[-1].get("save_dir")
     try:
-        checked(save_dir, "x")
+        checked(save_dir)
     except SystemExit:
         return
     held_by = {hosts[0]: held(save_dir)}
