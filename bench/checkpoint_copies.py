@@ -5,7 +5,7 @@ each run: the median time of a step that follows a save (where a copy runs besid
 of every other step; for each copy its bytes and seconds. The ratio printed is the on-runs'
 median step against the off-runs', in the same call.
 
-    .venv/bin/python bench/checkpoint_copies.py [--steps 60] [--save-every 5] [--size small]
+    .venv/bin/python bench/checkpoint_copies.py [--steps 300] [--save-every 20] [--size small]
                                                  # after scripts/test.sh has set things up
 
 Writes bench/results/checkpoint_copies.json. Both nodes and Ansible share this machine's cores, so
@@ -47,8 +47,8 @@ def one_run(c, run_id, copies, a):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--size", default="small")
     a = p.parse_args()
     testcluster.down()
