@@ -63,7 +63,7 @@ def main():
     out = {"steps": a.steps, "save_every": a.save_every, "size": a.size, "runs": runs,
            "median_step_off_s": off, "median_step_on_s": on, "ratio_on_off": round(on / off, 3),
            "copy_bytes_median": statistics.median(m["bytes"] for m in copied) if copied else None,
-           "copy_seconds_median": statistics.median(m["seconds"] for m in copied) if copied else None}
+           "copy_seconds_median": round(statistics.median(m["seconds"] for m in copied), 2) if copied else None}
     for x in runs:
         print(f"copies {'on ' if x['copies'] else 'off'}: median step {x['median_step_s']:.4f} s "
               f"(after a save {x['median_after_save_s']}, other {x['median_other_s']}), "
