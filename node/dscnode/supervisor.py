@@ -350,10 +350,10 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         seen = {}
         code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen, copier=copier)
-        if not (run / RunDir.STOPPED).exists():
-            copier.finish()  # the attempt's last checkpoint too, before a restart or the run's end
         if cause:
             record_failure(run, cause, exit_code=code, teardown=torn, restarts=restarts)
+        if not (run / RunDir.STOPPED).exists():
+            copier.finish()  # the attempt's last checkpoint too, before a restart or the run's end
         if code == 0 or (run / RunDir.STOPPED).exists():
             break
         down = step_down(run, seen.get("oom"), code)
