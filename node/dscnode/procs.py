@@ -197,10 +197,7 @@ def procs(run_id):
 # DeepSpeed's runner answers SIGTERM by pkill-ing every launcher that matches its command line on
 # every node (other runs' too): it and pdsh get SIGKILL, never TERM. The supervisor is left to
 # record the exit code once its launcher is gone.
-# DeepSpeed's runner, then the pdsh it waits on: killed in that order, since the runner exits 0
-# when its pdsh dies of a signal (it passes on only a positive exit code), and a stopped run
-# would read as finished.
-RUNNERS = (re.compile(r"(/deepspeed |deepspeed\.launcher\.runner)"), re.compile(r"(^pdsh |/pdsh )"))
+RUNNER = re.compile(r"(/deepspeed |deepspeed\.launcher\.runner|^pdsh |/pdsh )")
 SUPERVISOR = " start "
 
 
@@ -267,8 +264,12 @@ def stop(run_id, grace, run_dir=None, ext_dir=None, by=None):
         write_atomic(RunDir(run_dir) / RunDir.STOPPED, f"{by or 'stopped'}\n")
     found = procs(run_id)
     since = min(filter(None, (started_at(p["pid"]) for p in found)), default=None)
-    for runner in RUNNERS:
-        signal_all([p["pid"] for p in found if runner.search(p["cmd"]) and not is_supervisor(p)], signal.SIGKILL)
+    # The attempt's launcher first, by the pid its supervisor recorded, whatever its name (a
+    # wrapper may exec deepspeed.real): DeepSpeed's runner exits 0 when its pdsh dies of a signal
+    # (it passes on only a positive exit code), and the stopped run would read as finished.
+    child = pid_alive(RunDir(run_dir) / RunDir.CHILD) if run_dir else None
+    signal_all([p["pid"] for p in found if p["pid"] == child], signal.SIGKILL)
+    signal_all([p["pid"] for p in found if RUNNER.search(p["cmd"]) and not is_supervisor(p)], signal.SIGKILL)
     workers = lambda p: not is_supervisor(p)  # noqa: E731
     signal_all([p["pid"] for p in procs(run_id) if workers(p)], signal.SIGTERM)
     left = wait_gone(run_id, grace, workers)

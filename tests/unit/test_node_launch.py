@@ -9,6 +9,7 @@ container.
 import base64
 import io
 import json
+import time
 import os
 import shutil
 import socket
@@ -189,3 +190,22 @@ def test_a_secrets_file_is_kept_beside_its_run_goes_with_it_and_is_never_a_run(t
     os.unlink(root / ".secrets" / "r3.json")
     os.symlink("/etc/hostname", root / ".secrets" / "r3.json")  # planted: not a secrets file
     assert [r["secrets"] for r in records.runs(root)] == [False]
+
+
+def test_a_stop_kills_the_attempts_launcher_first_whatever_its_name_and_the_run_reads_stopped(tmp_path):
+    """DeepSpeed's runner exits 0 when the pdsh it waits on dies of a signal. Stopped by its
+    recorded pid (launcher.child) before anything else, a launcher no name pattern knows (here a
+    script that, as the runner does, turns its child's death by a signal into exit 0; a wrapper
+    that execs deepspeed.real is one) cannot record the stopped run as finished."""
+    root = tmp_path / "runs"
+    (root / "w").mkdir(parents=True)
+    runner = launcher_script(tmp_path, "trap 'true' TERM\nsleep 60 & wait $!\nexit 0")
+    started = helper("start", root / "w", "w", "--run-root", root, "--ports", 29820, 29830, "--", runner)
+    assert started.returncode == 0, started.stderr
+    assert wait_for(root / "w" / "launcher.child")
+    time.sleep(0.5)  # the script is in its wait
+    stopped = json.loads(helper("stop", "w", "--grace", 2, "--run-dir", root / "w").stdout)
+    assert stopped["left"] == 0
+    assert wait_for(root / "w" / "exit_code")
+    assert (root / "w" / "exit_code").read_text().strip() == "-9"
+    assert records.status(root / "w", "w")["state"] == "stopped"
