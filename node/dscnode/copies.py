@@ -168,7 +168,7 @@ def held(save_dir):
     first) and, by tag, the nodes whose parts it keeps copies of."""
     tags = complete.tags(save_dir) or []
     copies = {}
-    for tag in tags if os.path.isdir(save_dir) else []:
+    for tag in tags:
         try:
             copies[tag] = sorted(e.name for e in os.scandir(os.path.join(save_dir, tag, PARTS))
                                  if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
@@ -228,6 +228,12 @@ def keep_copies(save, hosts, record):
           + (f"; not kept: {'; '.join(failed)}" if failed else ""), flush=True)
 
 
+def saves(run):
+    """The run's recorded saves (SAVES), oldest first: the lines that name a save directory and a tag."""
+    return [s for s in last_lines(run / RunDir.SAVES, 1000)
+            if isinstance(s.get("save_dir"), str) and isinstance(s.get("tag"), str)]
+
+
 class Copier:
     """The supervisor's copies of the run's saves: the newest save recorded (SAVES) not yet copied
     is copied in a thread of its own, one at a time, copying at most DUTY of the time (a save
@@ -242,8 +248,7 @@ class Copier:
         self.waiting, self.thread, self.next_at = None, None, 0.0
 
     def saves(self):
-        return [s for s in last_lines(self.run / RunDir.SAVES, 1000) if isinstance(s, dict)
-                and isinstance(s.get("save_dir"), str) and isinstance(s.get("tag"), str)]
+        return saves(self.run)
 
     def poll(self, ended=False):
         """Take the newest save recorded; copy the one waiting where no copy runs, the run has
@@ -289,10 +294,10 @@ def restore(run, hosts):
     run's newest save directory that every other node holds complete, where that node lacks it.
     The lines said in the launcher log."""
     hosts = list(hosts)
-    saves = [s for s in last_lines(run / RunDir.SAVES, 1000) if isinstance(s, dict)]
-    if len(hosts) < 2 or not saves:
+    recorded = saves(run)
+    if len(hosts) < 2 or not recorded:
         return
-    save_dir = saves[-1].get("save_dir")
+    save_dir = recorded[-1]["save_dir"]
     try:
         checked(save_dir)
     except SystemExit:
