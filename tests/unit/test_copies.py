@@ -101,7 +101,8 @@ def test_a_stream_with_anything_but_files_inside_the_part_is_refused_and_leaves_
 
 
 @pytest.mark.parametrize("save_dir,tag", [("relative/ckpt", "step1"), ("/a/../etc", "step1"), ("/ck pt", "step1"),
-                                          ("/ckpt;id", "step1"), ("/ckpt", "a/b"), ("/ckpt", ".."), ("/ckpt", "$(id)")])
+                                          ("/ckpt;id", "step1"), ("/ckpt", "a/b"), ("/ckpt", ".."), ("/ckpt", "$(id)"),
+                                          ("/ckpt\n", "step1"), ("/ckpt", "step1\n"), ("/ckpt", "#jinja2: x")])
 def test_save_dirs_and_tags_a_command_line_would_need_quoted_are_refused(save_dir, tag):
     with pytest.raises(SystemExit) as out:
         copies.checked(save_dir, tag)
