@@ -29,6 +29,8 @@ built file). Every command prints one JSON object.
     dsc_node.pyz part-receive SAVE_DIR TAG [--from NODE]
                                                #   into this on the node that keeps it (dscnode.copies)
     dsc_node.pyz part-held SAVE_DIR            # the checkpoints complete here and the copies kept here
+    dsc_node.pyz universal-send SAVE_DIR TAG   # the universal checkpoint converted here (dscnode.shrink)
+    dsc_node.pyz universal-receive SAVE_DIR TAG  # installed as the tag folder here, from stdin
     dsc_node.pyz procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
     dsc_node.pyz stop RUN_ID [--grace S] [--run-dir DIR [--by WHO]] [--ext-dir DIR]
                                                # mark the run stopped (by WHO), TERM, then KILL after
@@ -165,6 +167,14 @@ def parser():
     p = action("part-held", _part_held, "the checkpoints of a save directory marked complete here, and "
                                         "the other nodes' parts kept here")
     p.add_argument("save_dir")
+    p = action("universal-send", _universal_send, "the universal checkpoint converted here (continuing on fewer "
+                                                  "nodes) as a tar stream on stdout")
+    p.add_argument("save_dir")
+    p.add_argument("tag")
+    p = action("universal-receive", _universal_receive, "install the universal checkpoint a tar stream on stdin "
+                                                        "holds as the checkpoint's tag folder here")
+    p.add_argument("save_dir")
+    p.add_argument("tag")
     p = action("procs", _procs, "the processes that carry DSC_RUN_ID=RUN_ID")
     p.add_argument("run_id")
     p = action("stop", _stop, "mark the run stopped, TERM its processes, KILL them after the grace")
@@ -257,6 +267,16 @@ def _part_held(a):
     from dscnode.copies import checked, held
     checked(a.save_dir)
     print(json.dumps(held(a.save_dir)))
+
+
+def _universal_send(a):
+    from dscnode.shrink import send_universal
+    send_universal(a.save_dir, a.tag)
+
+
+def _universal_receive(a):
+    from dscnode.shrink import receive_universal
+    receive_universal(a.save_dir, a.tag)
 
 
 def _gpu_health(a):

@@ -21,6 +21,9 @@ import os
 from dscnode.rundir import append_line, read_tail
 
 MARKS = "complete_tags"
+# In a tag folder: a universal checkpoint (dscnode.shrink's, for another world size), which the entry
+# shim loads with DeepSpeed's load_universal; its text says what it was converted from.
+UNIVERSAL = "dsc_universal"
 TAIL_BYTES = 64 << 10  # the newest ~3,000 tags
 
 

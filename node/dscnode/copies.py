@@ -83,6 +83,11 @@ def send(save_dir, tag, copy_of=None, out=None):
         folder = os.path.join(folder, PARTS, copy_of)
     elif tag not in (complete.tags(save_dir) or []):
         raise SystemExit(f"dsc_node: {folder} is not marked complete on this node")
+    send_folder(folder, out)
+
+
+def send_folder(folder, out=None):
+    """The regular files of `folder` (part_files) to `out` as a tar stream, at low priority."""
     if not os.path.isdir(folder) or os.path.islink(folder):
         raise SystemExit(f"dsc_node: no part at {folder} on this node")
     os.nice(NICE)

@@ -170,7 +170,15 @@ class EngineWatch:
                         print(f"dsc_node: no checkpoint in {load_dir} is complete on every node "
                               f"({complete.MARKS}); starting without one", file=sys.stderr, flush=True)
                     return None, None  # as DeepSpeed answers where there is no checkpoint
-            return load(engine, load_dir, tag, *args, **kwargs)
+            # A universal checkpoint (a run gone on on fewer nodes, dscnode.shrink) loads with
+            # DeepSpeed's load_universal at this world size; what the run saves next is its own.
+            universal = tag is not None and os.path.isfile(os.path.join(load_dir, str(tag), complete.UNIVERSAL))
+            was = engine._config.load_universal_checkpoint
+            engine._config.load_universal_checkpoint = was or universal
+            try:
+                return load(engine, load_dir, tag, *args, **kwargs)
+            finally:
+                engine._config.load_universal_checkpoint = was
         engine_class.__init__ = reporting_init
         engine_class.backward, engine_class.step = watched_backward, watched_step
         engine_class.save_checkpoint, engine_class.load_checkpoint = node_local_save, agreed_load

@@ -55,6 +55,9 @@ class RunDir:
     SLOW = "slow.json"            # the rank the others wait for, while it is so (the supervisor)
     SAVES = "saves.jsonl"         # each node-local checkpoint saved, once training moved on from it (entry, rank 0)
     COPIES = "copies.jsonl"       # where each save's parts were also kept (the supervisor, dscnode.copies)
+    SHRINK = "shrink.json"        # dsc_min_nodes: each world size the run may go on at, its batch (the plan)
+    SHRINKS = "shrinks.jsonl"     # each continuation on fewer nodes (the supervisor, dscnode.shrink)
+    SHRUNK_ENV = ".deepspeed_env.shrunk"  # the ranks' environment for the survivors (the supervisor)
     NCCL = "nccl_debug"           # each GPU rank's NCCL INIT and NET lines, <host>-<pid>.log (entry, dscnode.nccllog)
 
     @staticmethod
@@ -62,6 +65,12 @@ class RunDir:
         """The ds_config of preset=auto's ladder step `index` (the plan writes every step's at
         launch; the supervisor's attempts take the one of the step the run is at)."""
         return RunDir.DS_CONFIG if int(index) == 0 else f"ds_config.step{int(index)}.json"
+
+    @staticmethod
+    def world_config(world):
+        """The ds_config for `world` ranks, where the run goes on on fewer nodes (the plan writes
+        one for each world size dsc_min_nodes allows)."""
+        return f"ds_config.world{int(world)}.json"
 
     def __init__(self, path):
         self.path = Path(path)

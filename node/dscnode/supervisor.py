@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from dscnode import complete, copies, gpuhealth, stragglers
+from dscnode import complete, copies, gpuhealth, shrink, stragglers
 from dscnode.entry import EngineWatch
 from dscnode.procs import on_others, teardown, write_pid
 from dscnode.records import step_downs
@@ -379,6 +379,10 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         if (run / RunDir.STOPPED).exists():
             break
         refused = gpu_gate(list(hosts), used_gpus or {})
+        fewer = go_on_fewer(run, base, list(hosts), refused, env)
+        if fewer:  # dsc_min_nodes: on without the lost nodes, from their checkpoint converted
+            (hosts, base), refused = fewer, []
+            copier = copies.Copier(run, hosts, keep_copies, logged_step=lambda: run_steps(run))
         if refused:  # no rank starts on a node whose GPU failed the gate
             cause = gate_cause(refused)
             print(f"[dsc_node] {describe(cause)}", flush=True)
@@ -390,6 +394,25 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     (run / RunDir.PID).unlink(missing_ok=True)
     # Detached, nobody reads this status; Slurm's task reports the run's (its job's state).
     os._exit(0 if code == 0 else 1)
+
+
+def go_on_fewer(run, cmd, hosts, refused, env):
+    """dsc_min_nodes, before a restart: (the survivors, their command) where a node is lost (it
+    does not answer, or the GPU gate refused it: `refused`) and the run may go on without it
+    (dscnode.shrink); None where no node is lost, dsc_min_nodes is not set or the run cannot go on
+    (said in the log: the restart then goes as it would have)."""
+    if not shrink.settings(run):
+        return None
+    recorded = copies.saves(run)
+    held_by = shrink.survey(hosts, recorded[-1]["save_dir"] if recorded else str(run.path))
+    lost = shrink.lost_nodes(hosts, held_by, refused)
+    if not lost:
+        return None
+    try:
+        return shrink.shrink(run, cmd, hosts, lost, held_by, env, lost_at=run_steps(run))
+    except (shrink.Refused, SystemExit, OSError) as e:
+        print(f"[dsc_node] the run cannot go on without {', '.join(lost)}: {e}", flush=True)
+        return None
 
 
 def run_steps(run):

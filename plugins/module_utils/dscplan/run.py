@@ -16,6 +16,7 @@ from .auto import auto_preset, ladder_record, memory_record
 from .deepspeed_config import run_sections, batch, compose_config, precision, presets, read_user_config
 from .problems import as_bool, is_int
 from .record import RunRecord
+from .shrink import shrink_files
 from .rendered import rendered_files, code_archive
 from .vocabulary import JSON_ONLY, RUN_OPTIONS
 from .paths import abs_path
@@ -33,7 +34,7 @@ LAUNCH_SPEC = (
     "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
     "dsc_code_dir", "dsc_code_shared", "dsc_entry_module", "dsc_entry_script", "dsc_entry_args",
     "dsc_train_config", "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg",
-    "dsc_resume_args", "dsc_launcher_args",
+    "dsc_resume_args", "dsc_launcher_args", "dsc_min_nodes",
 )
 # Run options that only a launch applies: they shape the files and code written into the run
 # directory then (ds_config.json, train.json, .deepspeed_env, memory.json, code/), which a resume
@@ -43,7 +44,7 @@ LAUNCH_SPEC = (
 LAUNCH_ONLY = (
     "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
     "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_tensorboard",
-    "dsc_train_config", "dsc_model_shape", "dsc_auto_memory_gib", "dsc_code_shared",
+    "dsc_train_config", "dsc_model_shape", "dsc_auto_memory_gib", "dsc_code_shared", "dsc_min_nodes",
 )
 # DeepSpeed launcher options a run may add (dsc_launcher_args): flag -> takes a value. The rest
 # (hostfile, include, ports, node rank, ssh) are the plan's.
@@ -504,7 +505,8 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
     workdir = entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}"
     launch_files = launcher.files(plan, run_id, run_dir, workdir, commands, start_args, env,
                                   (int(opt["max_restarts"]), int(opt["restart_backoff_s"])))
-    files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text), **launch_files)
+    files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text), **launch_files,
+                 **(shrink_files(opt, plan, launcher, config, step_down, problems) if not resume else {}))
     return RunRecord(
         id=run_id, dir=run_dir, preset=preset, resume=resume, auto=auto,
         dry_run=as_bool(opt["dry_run"]), follow=as_bool(opt["follow"]), preflight=as_bool(opt["preflight"]),

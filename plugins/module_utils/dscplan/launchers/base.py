@@ -90,6 +90,11 @@ class Launcher(ABC):
         """Before a run is started (launch, resume): what the master's probe says would stop it."""
         return  # none, unless the mode says
 
+    def shrink_why(self) -> str:
+        """Why a run cannot go on on fewer nodes (dsc_min_nodes) in this mode ("": it can)."""
+        return (f"dsc_launch_mode {self.mode} starts no supervisor that reaches every node to drop a lost "
+                f"one. Fix: dsc_launch_mode pdsh")
+
     def step_down_why(self, num_nodes: int) -> str:
         """Why preset=auto cannot step down after an out-of-memory error in this mode ("": it can)."""
         return ""

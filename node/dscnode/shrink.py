@@ -1,0 +1,252 @@
+"""Continuing on fewer nodes (launch's dsc_min_nodes): when an attempt fails and a node is lost (it
+does not answer, or its GPUs fail the gate), the master's supervisor drops it and restarts on the
+others, as long as dsc_min_nodes of them remain:
+1. the checkpoint: the newest that every survivor holds complete and of which each lost node's
+   part is kept on a survivor (dscnode.copies' ring);
+2. every node's part of it is gathered on the master (a survivor's sent by the survivor, a lost
+   node's by the node keeping its copy) and DeepSpeed's ds_to_universal converts the whole into a
+   universal checkpoint: each parameter's fp32 weights and optimizer state whole, loadable at any
+   world size;
+3. that universal checkpoint replaces the checkpoint's tag folder on every survivor, marked
+   (complete.UNIVERSAL): the entry shim loads a folder so marked with DeepSpeed's load_universal;
+4. the next attempt runs without the lost nodes (DeepSpeed's --include, or --exclude), with the
+   ds_config the plan wrote for the survivors' world size (shrink.json: the same global batch
+   through more gradient accumulation; where it cannot stay exactly, the nearest and why), and
+   each node's own settings (DSC_NODE_*, indexed by the node's place among the nodes that run)
+   taken for the survivors.
+The master lost ends its supervisor with it: resume.yml from the control node decides then."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from dscnode import complete
+from dscnode.copies import PARTS, checked, held, helper, part_files, relay, ring, saves, send_folder, unpack
+from dscnode.procs import on_others
+from dscnode.rundir import RunDir, append_line, read_json, read_text, write_atomic
+
+STAGE = ".dsc_universal"  # in the save directory: the gathered parts and the conversion, while it runs
+CONVERT_TIMEOUT_S = 4 * 3600.0
+WORKERS = 4  # ds_to_universal's --num_extract_workers
+
+
+class Refused(Exception):
+    """Why the run cannot go on on fewer nodes (said in the log; the run then fails as before)."""
+
+
+def settings(run):
+    """shrink.json, as the plan wrote it (dsc_min_nodes set), or None: {min_nodes, slots: {node:
+    ranks}, worlds: {world size: {config, micro_batch, grad_accum, train_batch, exact, why}}}."""
+    found = read_json(run / RunDir.SHRINK)
+    return found if isinstance(found, dict) and found.get("min_nodes") else None
+
+
+def survey(hosts, save_dir):
+    """{node: what it holds of the save directory (copies.held)} for this node and every other
+    that answers; a node missing from it did not answer."""
+    held_by = {hosts[0]: held(save_dir)}
+    for host, said in on_others(hosts, "part-held", save_dir).items():
+        try:
+            held_by[host] = json.loads(said)
+        except ValueError:
+            pass
+    return held_by
+
+
+def lost_nodes(hosts, held_by, refused):
+    """The nodes to drop: those that did not answer, and those whose GPUs failed the gate
+    (gpu_gate's "<node> GPU i: what" findings), in the hostfile's order."""
+    failed = {f.split(" ")[0] for f in refused}
+    return [h for h in hosts if h not in held_by or h in failed]
+
+
+def convertible(held_by, hosts, lost):
+    """The newest tag that every survivor holds complete and of which each lost node's part is kept
+    on a survivor, or None."""
+    survivors, keeper = [h for h in hosts if h not in lost], ring(hosts)
+    for tag in dict.fromkeys(t for h in survivors for t in reversed(held_by[h]["tags"])):
+        if all(tag in held_by[h]["tags"] for h in survivors) and all(
+                keeper.get(n) in survivors and n in held_by[keeper[n]]["copies"].get(tag, []) for n in lost):
+            return tag
+    return None
+
+
+def gather(save_dir, tag, hosts, lost, held_by):
+    """Every node's part of the checkpoint in one folder on this node (the master), which it
+    returns: its own, each survivor's sent by the survivor, each lost node's by its keeper (a copy
+    this node keeps already is taken as it is)."""
+    here, keeper, folder = hosts[0], ring(hosts), checked(save_dir, tag)
+    for node in hosts[1:]:
+        if node in held_by[here]["copies"].get(tag, []):
+            continue
+        source = keeper[node] if node in lost else node
+        got, error = relay(helper(source, here, "part-send", save_dir, tag, *(["--copy-of", node] if node in lost else [])),
+                           helper(here, here, "part-receive", save_dir, tag, "--from", node))
+        if not got:
+            raise Refused(f"{node}'s part of checkpoint {tag} did not reach {here} from {source}: {error}")
+    stage = os.path.join(save_dir, STAGE, f"{tag}.parts")
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage, mode=0o750)
+    for source in [folder] + [os.path.join(folder, PARTS, n) for n in hosts[1:]]:
+        for rel in part_files(source):
+            dest = os.path.join(stage, rel)
+            if os.path.exists(dest):  # the model states every node's local rank 0 saved alike
+                continue
+            os.makedirs(os.path.dirname(dest), mode=0o750, exist_ok=True)
+            try:
+                os.link(os.path.join(source, rel), dest)
+            except OSError:
+                shutil.copy2(os.path.join(source, rel), dest)
+    return stage
+
+
+def convert(python, stage, out, record):
+    """DeepSpeed's ds_to_universal from the gathered parts into `out`, with the files of the tag
+    folder that are not DeepSpeed's (train.run's COMPLETE, a script's own) and the mark `record`
+    (who was lost, from which world size); its seconds."""
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.time()
+    try:
+        r = subprocess.run([python, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", stage,
+                            "--output_folder", out, "--inject_missing_state", "--num_extract_workers", str(WORKERS)],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
+                           timeout=CONVERT_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise Refused(f"ds_to_universal did not end within {CONVERT_TIMEOUT_S:.0f} s") from None
+    if r.returncode:
+        said = (r.stderr.strip() or r.stdout.strip()).splitlines()
+        raise Refused(f"ds_to_universal failed (exit code {r.returncode}): {said[-1][:300] if said else ''}")
+    for name in os.listdir(stage):
+        path = os.path.join(stage, name)
+        if (not name.endswith(".pt") and name != "latest" and os.path.isfile(path)
+                and not os.path.exists(os.path.join(out, name))):
+            shutil.copy2(path, os.path.join(out, name))
+    write_atomic(os.path.join(out, complete.UNIVERSAL), json.dumps(record) + "\n")
+    return time.time() - started
+
+
+def install(save_dir, tag, new):
+    """The folder `new` becomes the checkpoint's tag folder, marked complete (the one it replaces
+    removed: the universal checkpoint holds all of it)."""
+    folder = checked(save_dir, tag)
+    old = os.path.join(save_dir, STAGE, f"{tag}.replaced.{os.getpid()}")
+    if os.path.isdir(folder):
+        os.rename(folder, old)
+    os.rename(new, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    complete.mark(save_dir, tag)
+
+
+def send_universal(save_dir, tag, out=None):
+    """The universal checkpoint this node (the master) converted, as a tar stream (copies.send's)."""
+    checked(save_dir, tag)
+    send_folder(os.path.join(save_dir, STAGE, tag), out)
+
+
+def receive_universal(save_dir, tag, inp=None):
+    """Install the universal checkpoint a tar stream holds as the checkpoint's tag folder here.
+    Prints {files, bytes}."""
+    checked(save_dir, tag)
+    tmp = os.path.join(save_dir, STAGE, f"{tag}.{os.getpid()}")
+    os.makedirs(os.path.dirname(tmp), mode=0o750, exist_ok=True)
+    try:
+        files, size = unpack(inp or sys.stdin.buffer, tmp)
+        if not os.path.isfile(os.path.join(tmp, complete.UNIVERSAL)):
+            raise SystemExit("dsc_node: the stream holds no universal checkpoint (no mark)")
+        install(save_dir, tag, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps({"files": files, "bytes": size}), flush=True)
+
+
+def without(cmd, lost):
+    """The DeepSpeed launcher's command without the lost nodes: dropped from its --include, or
+    named in an --exclude."""
+    cmd = list(cmd)
+    if "--include" in cmd:
+        at = cmd.index("--include") + 1
+        cmd[at] = "@".join(spec for spec in cmd[at].split("@") if spec.split(":")[0] not in lost)
+    elif "--exclude" in cmd:
+        at = cmd.index("--exclude") + 1
+        cmd[at] = "@".join([cmd[at], *lost])
+    else:
+        cmd[1:1] = ["--exclude", "@".join(lost)]
+    return cmd
+
+
+def node_env(text, hosts, survivors):
+    """.deepspeed_env with each DSC_NODE_<VAR>'s values ("<node 0's>/<node 1's>/...", in the
+    hostfile's order) taken for the survivors alone: a rank takes the value at its node's place
+    among the nodes that run (CROSS_RANK)."""
+    keep = [hosts.index(s) for s in survivors]
+    lines = []
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.startswith("DSC_NODE_"):
+            values = value.split("/")
+            value = "/".join(values[i] if i < len(values) else "" for i in keep)
+        lines.append(f"{key}{sep}{value}")
+    return "\n".join(lines) + "\n"
+
+
+def shrink(run, cmd, hosts, lost, held_by, env, lost_at=None):
+    """Go on without the lost nodes (lost after step `lost_at`, the run's last logged): the
+    checkpoint converted and installed on every survivor, the survivors' command and environment
+    (`env`, the attempts', changed in place). Returns (survivors, command); raises Refused."""
+    found = settings(run) or {}
+    survivors = [h for h in hosts if h not in lost]
+    if hosts[0] in lost:
+        raise Refused(f"the master {hosts[0]} is lost")
+    if len(survivors) < found.get("min_nodes", len(hosts)):
+        raise Refused(f"{len(survivors)} of {len(hosts)} nodes are left and dsc_min_nodes is {found.get('min_nodes')}")
+    world = sum(int(found.get("slots", {}).get(h, 0)) for h in survivors)
+    batch = found.get("worlds", {}).get(str(world))
+    if not batch:
+        raise Refused(f"the plan holds no configuration for {world} ranks on {', '.join(survivors)}")
+    recorded = saves(run)
+    step = tag = None
+    if recorded:
+        save_dir = recorded[-1]["save_dir"]
+        tag = convertible(held_by, hosts, lost)
+        if tag is None:
+            raise Refused(f"no checkpoint in {save_dir} is complete on {', '.join(survivors)} with a copy of "
+                          f"{', '.join(lost)}'s part on one of them")
+        started = time.time()
+        stage = gather(save_dir, tag, hosts, lost, held_by)
+        out = os.path.join(save_dir, STAGE, tag)
+        python = os.path.join(os.path.dirname(cmd[0]), "python")
+        seconds = convert(python, stage, out, {"tag": tag, "lost": lost, "nodes": hosts, "to": survivors})
+        shutil.rmtree(stage, ignore_errors=True)
+        for node in survivors[1:]:
+            got, error = relay(helper(hosts[0], hosts[0], "universal-send", save_dir, tag),
+                               helper(node, hosts[0], "universal-receive", save_dir, tag))
+            if not got:
+                raise Refused(f"the universal checkpoint did not reach {node}: {error}")
+        install(save_dir, tag, out)
+        step = next((s.get("step") for s in reversed(recorded) if s["tag"] == tag), None)
+        print(f"[dsc_node] checkpoint {tag} converted for {world} ranks (ds_to_universal {seconds:.1f} s, "
+              f"{time.time() - started:.1f} s with gathering and sending)", flush=True)
+    write_atomic(run / RunDir.SHRUNK_ENV, node_env(read_text(env["DS_ENV_FILE"]) if env.get("DS_ENV_FILE") else "",
+                                                  hosts, survivors))
+    env["DS_ENV_FILE"] = str(run / RunDir.SHRUNK_ENV)
+    config = str(run / RunDir.world_config(world))
+    shrunk = [config if arg == str(run / RunDir.DS_CONFIG) else arg for arg in without(cmd, lost)]
+    record = {"time": round(time.time(), 1), "lost": lost, "nodes": survivors, "of": len(hosts),
+              "at_step": lost_at, "checkpoint": tag, "from_step": step, "world": world, **{k: batch.get(k) for k in ("micro_batch", "grad_accum", "train_batch", "exact", "why")}}
+    append_line(run / RunDir.SHRINKS, json.dumps(record))
+    print(f"[dsc_node] {said(record)}", flush=True)
+    return survivors, shrunk
+
+
+def said(record):
+    """A continuation on fewer nodes in words (the log, status, runs.yml)."""
+    at = f" at step {record['at_step']}" if record.get("at_step") is not None else ""
+    since = (f", from checkpoint {record['checkpoint']}" if record.get("checkpoint")
+             else ", from the start (no checkpoint saved)")
+    batch = (f"; global batch {record['train_batch']} as micro-batch {record['micro_batch']} x "
+             f"{record['grad_accum']} accumulation x {record['world']} ranks") if record.get("train_batch") else ""
+    return (f"continued on {len(record['nodes'])} of {record['of']} nodes after {', '.join(record['lost'])} "
+            f"{'was' if len(record['lost']) == 1 else 'were'} lost{at}{since}{batch}"
+            + (f" ({record['why']})" if record.get("why") else ""))

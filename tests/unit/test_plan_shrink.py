@@ -1,0 +1,79 @@
+"""dsc_min_nodes as the plan decides it at launch (dscplan.shrink): each world size the run may go on
+at, its batch (the same global batch where it can be) and ds_config, and the refusals, each naming
+the variable and the fix. The supervisor's side is tests/unit/test_node_shrink.py.
+
+    .venv/bin/pytest tests/unit/test_plan_shrink.py -q
+"""
+import json
+
+import pytest
+
+from dscplan.shrink import shrunk_batch
+from tests.unit.plan_helpers import plan
+
+GO_ON = {"preset": "zero2", "dsc_micro_batch": 4, "dsc_grad_accum": 2, "max_restarts": 2}
+
+
+@pytest.mark.parametrize("total, micro, world, expected", [
+    (24, 4, 2, (4, 3, 24, True)),    # 3 nodes x 1 rank at accumulation 2 -> 2 ranks: accumulation 3
+    (24, 4, 3, (4, 2, 24, True)),
+    (48, 4, 4, (4, 3, 48, True)),    # 6 ranks -> 4
+    (24, 8, 2, (6, 2, 24, True)),    # 8 does not divide the 12 each rank takes: the largest below that does
+    (32, 4, 3, (4, 3, 36, False)),   # 32 does not split over 3 ranks: the nearest, said
+    (16, 4, 1, (4, 4, 16, True)),
+])
+def test_the_global_batch_stays_through_more_accumulation_and_never_a_larger_micro_batch(total, micro, world, expected):
+    got = shrunk_batch(total, micro, world)
+    assert (got["micro_batch"], got["grad_accum"], got["train_batch"], got["exact"]) == expected
+    assert got["micro_batch"] <= micro
+    assert got["micro_batch"] * got["grad_accum"] * world == got["train_batch"]
+    assert bool(got["why"]) == (not got["exact"] or got["micro_batch"] != micro)
+    if not got["exact"]:
+        assert got["why"] == f"global batch {got['train_batch']}, not {total}: {total} samples do not split evenly over {world} ranks"
+
+
+def test_each_world_size_of_the_master_and_enough_nodes_gets_its_config_and_the_batch_kept():
+    p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=1), full_run=True)  # 2 ranks a node
+    assert errors == []
+    files = p["run"]["files"]
+    shrink = json.loads(files["shrink.json"])
+    assert shrink["min_nodes"] == 1 and shrink["slots"] == {"node1": 2, "node2": 2, "node3": 2}
+    assert sorted(shrink["worlds"]) == ["2", "4"]  # the master alone, or with one other; 6 is the launch's own
+    full = json.loads(files["ds_config.json"])
+    assert full["train_batch_size"] == 4 * 2 * 6
+    for world, sizes in shrink["worlds"].items():
+        cfg = json.loads(files[sizes["config"]])
+        assert sizes["config"] == f"ds_config.world{world}.json"
+        assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (
+            48, 4, 48 // (4 * int(world)))
+        assert {k: v for k, v in cfg.items() if k not in (
+            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")} == {
+            k: v for k, v in full.items() if k not in (
+                "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=2), full_run=True)
+    assert sorted(json.loads(p["run"]["files"]["shrink.json"])["worlds"]) == ["4"]
+
+
+@pytest.mark.parametrize("value", [0, 3])
+def test_zero_or_every_node_writes_nothing(value):
+    p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=value), full_run=True)
+    assert errors == [] and not [f for f in p["run"]["files"] if f.startswith(("shrink", "ds_config.world"))]
+
+
+@pytest.mark.parametrize("value", [-1, 4, "two", 1.5])
+def test_a_count_outside_the_cluster_is_refused(value):
+    p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=value), full_run=True)
+    assert p is None and errors == [
+        f"dsc_min_nodes is {value!r}. Fix: the fewest nodes the run may go on with, 1 to 3 (the inventory's "
+        f"nodes), or 0 to fail the run as before."]
+
+
+@pytest.mark.parametrize("options, settings, needle", [
+    ({"max_restarts": 0}, {}, "max_restarts is 0: a run goes on on fewer nodes at a restart. Fix: -e max_restarts=2"),
+    ({"dsc_checkpoint_copies": False}, {}, "dsc_checkpoint_copies is false: a lost node's part of each checkpoint would go with it"),
+    ({"max_restarts": 0}, {"dsc_launch_mode": "no_ssh"}, "dsc_launch_mode no_ssh starts no supervisor that reaches every node"),
+    ({"dsc_ds_config_mode": "none"}, {}, "the run's DeepSpeed config sets no whole train_batch_size"),
+])
+def test_a_run_that_could_not_go_on_is_refused_at_launch_naming_why_and_the_fix(options, settings, needle):
+    p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=2, **options), full_run=True, **settings)
+    assert p is None and any(e.startswith("dsc_min_nodes=2: ") and needle in e for e in errors), errors
