@@ -1,0 +1,113 @@
+"""dscnode.shrink, the supervisor's side of dsc_min_nodes: which nodes are lost, which checkpoint
+can be converted without them, the parts gathered on the master, the universal checkpoint sent
+and installed through the built node helper, and the survivors' command and environment. The
+conversion itself (DeepSpeed's ds_to_universal) and the loss after loading are the local tier's
+(tests/local/test_train.py); the whole restart on a cluster is the container tier's
+(molecule/tests/test_faults.py)."""
+import sys
+from pathlib import Path
+
+from dscnode import complete, copies, shrink
+from tests.unit.node_helpers import HELPER
+from tests.unit.test_copies import part, tree
+
+HOSTS = ["node1", "node2", "node3"]
+
+
+def held(tags, copies_of=None):
+    return {"tags": tags, "copies": copies_of or {}}
+
+
+def test_a_node_that_does_not_answer_or_fails_the_gpu_gate_is_lost():
+    answered = {"node1": held([]), "node3": held([])}
+    assert shrink.lost_nodes(HOSTS, answered, []) == ["node2"]
+    everyone = dict(answered, node2=held([]))
+    assert shrink.lost_nodes(HOSTS, everyone, ["node3 GPU 1: Xid 79 (fallen off the bus)"]) == ["node3"]
+    assert shrink.lost_nodes(HOSTS, everyone, []) == []
+
+
+def test_the_checkpoint_taken_is_the_newest_the_survivors_hold_with_the_lost_part_kept_on_one_of_them():
+    # node2 is lost; its keeper in the ring is node3
+    by = {"node1": held(["s5", "s10", "s15"]),
+          "node3": held(["s5", "s10", "s15"], {"s5": ["node2"], "s10": ["node2"]})}
+    assert shrink.convertible(by, HOSTS, ["node2"]) == "s10"  # s15's copy never reached node3
+    by["node3"]["copies"]["s15"] = ["node2"]
+    assert shrink.convertible(by, HOSTS, ["node2"]) == "s15"
+    by["node1"]["tags"] = ["s5", "s10"]  # a survivor without s15: the newest they all hold
+    assert shrink.convertible(by, HOSTS, ["node2"]) == "s10"
+    # node3 lost: its keeper is the master; node2 and node3 lost: node3's keeper went with it
+    assert shrink.convertible({"node1": held(["s5"]), "node2": held(["s5"])}, HOSTS, ["node3"]) is None
+    assert shrink.convertible({"node1": held(["s5"], {"s5": ["node3"]}), "node2": held(["s5"])},
+                              HOSTS, ["node3"]) == "s5"
+    assert shrink.convertible({"node1": held(["s5"], {"s5": ["node3"]})}, HOSTS, ["node2", "node3"]) is None
+
+
+def test_the_parts_gathered_on_the_master_make_one_checkpoint_the_model_states_once(tmp_path):
+    save = tmp_path / "ckpt"
+    mine = {"mp_rank_00_model_states.pt": b"model", "zero_pp_rank_0_mp_rank_00_optim_states.pt": b"r0",
+            "COMPLETE": b"{}"}
+    part(save, "s10", mine)
+    kept = save / "s10" / copies.PARTS / "node2"  # the master keeps the last node's part (the ring)
+    kept.mkdir(parents=True)
+    (kept / "mp_rank_00_model_states.pt").write_bytes(b"model")
+    (kept / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"r1")
+    stage = shrink.gather(str(save), "s10", ["node1", "node2"], ["node2"],
+                          {"node1": held(["s10"], {"s10": ["node2"]})})
+    assert tree(Path(stage)) == {
+        "mp_rank_00_model_states.pt": b"model", "zero_pp_rank_0_mp_rank_00_optim_states.pt": b"r0",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt": b"r1", "COMPLETE": b"{}"}
+
+
+def test_the_universal_checkpoint_replaces_the_tag_folder_on_a_survivor_marked_and_complete(tmp_path):
+    master, survivor = tmp_path / "m", tmp_path / "s"
+    converted = master / shrink.STAGE / "s10"
+    converted.mkdir(parents=True)
+    files = {"zero/h.0.weight/fp32.pt": b"w" * 100, "mp_rank_00_model_states.pt": b"model", "COMPLETE": b"{}",
+             complete.UNIVERSAL: b'{"tag": "s10"}\n'}
+    for name, data in files.items():
+        (converted / name).parent.mkdir(parents=True, exist_ok=True)
+        (converted / name).write_bytes(data)
+    part(survivor, "s10", {"zero_pp_rank_2_mp_rank_00_optim_states.pt": b"old part"})
+    got, error = copies.relay([sys.executable, str(HELPER), "universal-send", str(master), "s10"],
+                              [sys.executable, str(HELPER), "universal-receive", str(survivor), "s10"])
+    assert error == "" and got == {"files": 4, "bytes": sum(map(len, files.values()))}
+    assert tree(survivor / "s10") == files  # the old part replaced whole
+    assert complete.tags(str(survivor)) == ["s10"]
+    assert [p.name for p in (survivor / shrink.STAGE).iterdir()] == []  # nothing left aside
+
+
+def test_a_stream_without_the_universal_mark_is_refused_and_the_checkpoint_left_as_it_was(tmp_path):
+    master, survivor = tmp_path / "m", tmp_path / "s"
+    (master / shrink.STAGE / "s10").mkdir(parents=True)
+    (master / shrink.STAGE / "s10" / "x.pt").write_bytes(b"x")
+    part(survivor, "s10", {"own.pt": b"own"})
+    got, error = copies.relay([sys.executable, str(HELPER), "universal-send", str(master), "s10"],
+                              [sys.executable, str(HELPER), "universal-receive", str(survivor), "s10"])
+    assert got is None and "the stream holds no universal checkpoint" in error
+    assert tree(survivor / "s10") == {"own.pt": b"own"}
+
+
+def test_the_survivors_command_leaves_the_lost_nodes_out_and_takes_their_world_sizes_config():
+    cmd = ["/env/bin/deepspeed", "--hostfile", "/r/hostfile", "--include", "node1:0,1@node2:0,1@node3:0,1",
+           "/h", "entry", "--module", "train.run", "--deepspeed_config", "/r/ds_config.json"]
+    assert shrink.without(cmd, ["node2"])[4] == "node1:0,1@node3:0,1"
+    cpu = ["/env/bin/deepspeed", "--hostfile", "/r/hostfile", "/h", "entry"]
+    assert shrink.without(cpu, ["node2", "node3"]) == ["/env/bin/deepspeed", "--exclude", "node2@node3",
+                                                         "--hostfile", "/r/hostfile", "/h", "entry"]
+
+
+def test_each_nodes_own_settings_are_taken_for_the_survivors_in_their_order():
+    text = "PATH=/env/bin\nDSC_NODE_NCCL_SOCKET_IFNAME=eth0/ens5/eth1\nDSC_NODE_NCCL_IB_GID_INDEX=3//3\n"
+    assert shrink.node_env(text, HOSTS, ["node1", "node3"]) == (
+        "PATH=/env/bin\nDSC_NODE_NCCL_SOCKET_IFNAME=eth0/eth1\nDSC_NODE_NCCL_IB_GID_INDEX=3/3\n")
+
+
+def test_a_continuation_is_said_with_who_was_lost_the_checkpoint_and_the_batch():
+    record = {"lost": ["node3"], "nodes": ["node1", "node2"], "of": 3, "at_step": 142, "checkpoint": "step140",
+              "world": 2, "train_batch": 24, "micro_batch": 4, "grad_accum": 3, "why": ""}
+    assert shrink.said(record) == ("continued on 2 of 3 nodes after node3 was lost at step 142, from checkpoint "
+                                   "step140; global batch 24 as micro-batch 4 x 3 accumulation x 2 ranks")
+    record.update(checkpoint=None, why="global batch 36, not 32: 32 samples do not split evenly over 3 ranks")
+    assert shrink.said(record).endswith("from the start (no checkpoint saved); global batch 24 as micro-batch 4 x 3 "
+                                        "accumulation x 2 ranks (global batch 36, not 32: 32 samples do not split "
+                                        "evenly over 3 ranks)")
