@@ -81,20 +81,74 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
             shown.output[-3000:]
         assert f"{worker}: unreachable" in shown.output, shown.output[-3000:]
     finally:
-        subprocess.run(["podman", "start", testcluster.PREFIX + worker], check=False, capture_output=True)
-        host = next(h for h in cluster.info["hosts"] if h["name"] == worker)
-        testcluster.wait_ssh([host])
+        start_again(cluster, worker)
         # The node is back as after a reboot: its firewall loaded from its files by ufw's boot
         # script (the container's start, molecule/cluster.py), the same rules as before (nothing
         # on disk was lost), and nothing of the run survived on it.
         assert cluster.exec(worker, "ufw status verbose").stdout == firewall, firewall
         # Nothing of the run on any node: no stop.yml needed after this.
         assert nothing_left(cluster, cluster.names, run_id)
-        # The master's neighbour cache still holds the old interface's address: forgotten now,
-        # the next packet asks again.
-        cluster.exec(cluster.master, f"ip neigh flush to {host['ip']}", check=False)
-        wait(lambda: cluster.exec(cluster.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {worker} true'",
-                                  check=False).returncode == 0, 120, f"ssh from the master to {worker} again", every=2)
+
+
+def start_again(cluster, worker):
+    """A worker stopped with podman stop started again, and reached over ssh from the master."""
+    subprocess.run(["podman", "start", testcluster.PREFIX + worker], check=False, capture_output=True)
+    host = next(h for h in cluster.info["hosts"] if h["name"] == worker)
+    testcluster.wait_ssh([host])
+    # The master's neighbour cache still holds the old interface's address: forgotten now, the
+    # next packet asks again.
+    cluster.exec(cluster.master, f"ip neigh flush to {host['ip']}", check=False)
+    wait(lambda: cluster.exec(cluster.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {worker} true'",
+                              check=False).returncode == 0, 120, f"ssh from the master to {worker} again", every=2)
+
+
+def kept_on_both(cluster, run_id):
+    """The newest checkpoint whose parts the master's supervisor kept on the other node each way."""
+    lines = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/copies.jsonl 2>/dev/null || true").stdout.splitlines()
+    both = [c for c in map(json.loads, lines) if len(c["kept"]) == 2 and not c["failed"]]
+    return both[-1] if both else None
+
+
+def test_with_dsc_min_nodes_the_run_goes_on_on_the_master_alone_after_its_worker_is_stopped(provisioned, cluster,
+                                                                                           figures):
+    """dsc_min_nodes=1: the worker stopped with podman stop once a checkpoint's parts are kept on
+    both nodes. At the restart the master's supervisor drops it, converts that checkpoint (the
+    worker's part from its copy on the master) with ds_to_universal, and the run goes on on the
+    master alone from it, at the same global batch (twice the gradient accumulation); status.yml
+    says so. (Without dsc_min_nodes the run fails: test_dead_worker_ends_the_run_on_the_master.)"""
+    run_id, worker, master = "f-fewer", cluster.names[1], cluster.master
+    try:
+        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=5), "-e", "max_restarts=1",
+               "-e", "restart_backoff_s=1", "-e", "dsc_min_nodes=1")
+        wait(lambda: kept_on_both(cluster, run_id), 240, "a checkpoint's parts kept on both nodes")
+        lost_at = time.time()
+        subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + worker], check=True, capture_output=True)
+        went_on = wait(lambda: cluster.exec(master, f"cat {RUNS}/{run_id}/shrinks.jsonl 2>/dev/null || true").stdout,
+                       300, "the run to go on without the worker")
+        record = json.loads(went_on.splitlines()[-1])
+        launched = json.loads(cluster.exec(master, f"cat {RUNS}/{run_id}/ds_config.json").stdout)
+        assert (record["lost"], record["nodes"], record["world"], record["train_batch"], record["grad_accum"],
+                record["exact"]) == ([worker], [master], 1, launched["train_batch_size"],
+                                     2 * launched["gradient_accumulation_steps"], True), record
+        first = wait(lambda: next((m for m in map(json.loads, cluster.exec(
+            master, f"cat {RUNS}/{run_id}/metrics.jsonl").stdout.splitlines()) if m["time"] > record["time"]), None),
+                     300, "a step on the master alone")
+        assert first["step"] == record["from_step"] + 1, (first, record)
+        log = cluster.exec(master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        tag = record["checkpoint"]
+        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{tag} (step {record['from_step']})" in log, log[-3000:]
+        mark = json.loads(cluster.exec(master, f"cat {RUNS}/{run_id}/checkpoints/{tag}/dsc_universal").stdout)
+        assert mark["lost"] == [worker] and mark["nodes"] == cluster.names
+        converted = [x for x in log.splitlines() if f"checkpoint {tag} converted for 1 ranks" in x]
+        figures("node lost, went on", seconds_to_next_step=round(first["time"] - lost_at, 1),
+                checkpoint=tag, lost_at_step=record["at_step"], converted=converted[-1][len("[dsc_node] "):])
+        shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
+        assert (f"continued on 1 of 2 nodes after {worker} was lost at step {record['at_step']}, from "
+                f"checkpoint {tag}") in shown.output, shown.output[-3000:]
+        assert f"run {run_id}: running" in shown.output and f"{worker}: unreachable" in shown.output
+    finally:
+        start_again(cluster, worker)
+        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
 def test_a_run_survives_a_dropped_connection_and_its_replacement_stopped_mid_checkpoint_resumes(provisioned, cluster,

@@ -186,7 +186,9 @@ def helper(host, here, *args):
     """The node helper with args on `host`: this process's own where host is `here`, else through
     ssh as the training user (the cluster key's ssh config names each node's port)."""
     argv = [program(), *map(str, args)]  # which lowers its own priority
-    return argv if host == here else ["nice", "-n", str(NICE), "ssh", "-o", "BatchMode=yes", host, shlex.join(argv)]
+    # A node gone (stopped, unplugged) fails the copy in seconds, not at TCP's own timeouts.
+    return argv if host == here else ["nice", "-n", str(NICE), "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+                                      "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4", host, shlex.join(argv)]
 
 
 def relay(sender, receiver, timeout=TIMEOUT_S):

@@ -18,6 +18,7 @@ from dscnode.rundir import (
     RunDir,
     entries,
     has_secrets,
+    last_lines,
     json_objects,
     last_line,
     read_json,
@@ -206,7 +207,7 @@ def status(run_dir, run_id, rdma=()):
             "processes": len(ps), "last": last, "restarts": int(restarts),
             "failed_node": failure["node"] if failure and state in ("failed", "lost") else None,
             "first_error": error, "traceback": trace, "memory": memory_summary(run_dir),
-            "step_downs": step_downs(run_dir), "config": config_label(run),
+            "step_downs": step_downs(run_dir), "shrinks": shrinks(run_dir), "config": config_label(run),
             "op_build": op_build(run_dir, {p["pid"] for p in ps}),
             "stopped_by": stopped_by(run) if state == "stopped" else None,
             "stall_stacks": (read_json(run / RunDir.STALLED) or {}).get("stacks", []) if state == "stalled" else [],
@@ -295,6 +296,24 @@ def stopped_by(run):
     return said if said and said != "stopped" else None
 
 
+def continued(record):
+    """A continuation on fewer nodes (dscnode.shrink's record) in words: the log, status, follow."""
+    at = f" at step {record['at_step']}" if record.get("at_step") is not None else ""
+    since = (f", from checkpoint {record['checkpoint']}" if record.get("checkpoint")
+             else ", from the start (no checkpoint saved)")
+    batch = (f"; global batch {record['train_batch']} as micro-batch {record['micro_batch']} x "
+             f"{record['grad_accum']} accumulation x {record['world']} ranks") if record.get("train_batch") else ""
+    return (f"continued on {len(record['nodes'])} of {record['of']} nodes after {', '.join(record['lost'])} "
+            f"{'was' if len(record['lost']) == 1 else 'were'} lost{at}{since}{batch}"
+            + (f" ({record['why']})" if record.get("why") else ""))
+
+
+def shrinks(run_dir):
+    """The run's continuations on fewer nodes so far (dsc_min_nodes), each with its words (said)."""
+    return [dict(r, said=continued(r)) for r in last_lines(RunDir(run_dir) / RunDir.SHRINKS, 100)
+            if isinstance(r.get("lost"), list) and isinstance(r.get("nodes"), list)]
+
+
 def step_downs(run_dir):
     """preset=auto's out-of-memory steps down so far: each failed attempt's configuration and
     cause, and the configuration it stepped down to."""
@@ -374,7 +393,8 @@ def runs_table(run_root):
                      "step": last.get("step"), "loss": last.get("loss"),
                      "tokens_per_s": last.get("tokens_per_s"), "samples_per_s": last.get("samples_per_s"),
                      "started": started, "duration_s": round((ended or now) - started, 1),
-                     "restarts": st["restarts"], "slow": st["slow"]})
+                     "restarts": st["restarts"], "slow": st["slow"],
+                     "nodes": f"{len(st['shrinks'][-1]['nodes'])} of {st['shrinks'][-1]['of']}" if st["shrinks"] else None})
     return sorted(rows, key=lambda row: row["started"], reverse=True)
 
 

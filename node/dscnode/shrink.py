@@ -25,6 +25,7 @@ import time
 from dscnode import complete
 from dscnode.copies import PARTS, checked, held, helper, part_files, relay, ring, saves, send_folder, unpack
 from dscnode.procs import on_others
+from dscnode.records import continued
 from dscnode.rundir import RunDir, append_line, read_json, read_text, write_atomic
 
 STAGE = ".dsc_universal"  # in the save directory: the gathered parts and the conversion, while it runs
@@ -236,17 +237,6 @@ def shrink(run, cmd, hosts, lost, held_by, env, lost_at=None):
     record = {"time": round(time.time(), 1), "lost": lost, "nodes": survivors, "of": len(hosts),
               "at_step": lost_at, "checkpoint": tag, "from_step": step, "world": world, **{k: batch.get(k) for k in ("micro_batch", "grad_accum", "train_batch", "exact", "why")}}
     append_line(run / RunDir.SHRINKS, json.dumps(record))
-    print(f"[dsc_node] {said(record)}", flush=True)
+    print(f"[dsc_node] {continued(record)}", flush=True)
     return survivors, shrunk
 
-
-def said(record):
-    """A continuation on fewer nodes in words (the log, status, runs.yml)."""
-    at = f" at step {record['at_step']}" if record.get("at_step") is not None else ""
-    since = (f", from checkpoint {record['checkpoint']}" if record.get("checkpoint")
-             else ", from the start (no checkpoint saved)")
-    batch = (f"; global batch {record['train_batch']} as micro-batch {record['micro_batch']} x "
-             f"{record['grad_accum']} accumulation x {record['world']} ranks") if record.get("train_batch") else ""
-    return (f"continued on {len(record['nodes'])} of {record['of']} nodes after {', '.join(record['lost'])} "
-            f"{'was' if len(record['lost']) == 1 else 'were'} lost{at}{since}{batch}"
-            + (f" ({record['why']})" if record.get("why") else ""))

@@ -125,7 +125,8 @@ def runs_table(rows):
     for r in rows or []:
         started = datetime.datetime.fromtimestamp(r["started"], datetime.UTC)
         slow = (r.get("slow") or {}).get("short")  # the rank the others wait for (dscnode.stragglers)
-        state = r["state"] + (f" (slow: {slow})" if slow else "")
+        state = (r["state"] + (f" on {r['nodes']} nodes" if r.get("nodes") else "")  # gone on on fewer (dsc_min_nodes)
+                 + (f" (slow: {slow})" if slow else ""))
         lines.append(" | ".join([r["id"], cell(r.get("config")), state, cell(r.get("step")),
                                  cell(r.get("loss"), "{:.4g}"), throughput(r),
                                  started.strftime("%Y-%m-%d %H:%M"),

@@ -4,10 +4,12 @@ and installed through the built node helper, and the survivors' command and envi
 conversion itself (DeepSpeed's ds_to_universal) and the loss after loading are the local tier's
 (tests/local/test_train.py); the whole restart on a cluster is the container tier's
 (molecule/tests/test_faults.py)."""
+import json
 import sys
 from pathlib import Path
 
-from dscnode import complete, copies, shrink
+from dscnode import complete, copies, records, shrink
+from dscnode.rundir import RunDir
 from tests.unit.node_helpers import HELPER
 from tests.unit.test_copies import part, tree
 
@@ -105,9 +107,25 @@ def test_each_nodes_own_settings_are_taken_for_the_survivors_in_their_order():
 def test_a_continuation_is_said_with_who_was_lost_the_checkpoint_and_the_batch():
     record = {"lost": ["node3"], "nodes": ["node1", "node2"], "of": 3, "at_step": 142, "checkpoint": "step140",
               "world": 2, "train_batch": 24, "micro_batch": 4, "grad_accum": 3, "why": ""}
-    assert shrink.said(record) == ("continued on 2 of 3 nodes after node3 was lost at step 142, from checkpoint "
+    assert records.continued(record) == ("continued on 2 of 3 nodes after node3 was lost at step 142, from checkpoint "
                                    "step140; global batch 24 as micro-batch 4 x 3 accumulation x 2 ranks")
     record.update(checkpoint=None, why="global batch 36, not 32: 32 samples do not split evenly over 3 ranks")
-    assert shrink.said(record).endswith("from the start (no checkpoint saved); global batch 24 as micro-batch 4 x 3 "
+    assert records.continued(record).endswith("from the start (no checkpoint saved); global batch 24 as micro-batch 4 x 3 "
                                         "accumulation x 2 ranks (global batch 36, not 32: 32 samples do not split "
                                         "evenly over 3 ranks)")
+
+
+def test_status_follow_and_runs_say_the_run_went_on_on_fewer_nodes(tmp_path):
+    from plugins.filter import cluster as filters  # noqa: PLC0415 - the control node's filters, for this test alone
+    record = {"lost": ["node2"], "nodes": ["node1"], "of": 2, "at_step": 23, "checkpoint": "step20", "world": 1,
+              "train_batch": 4, "micro_batch": 2, "grad_accum": 2, "why": ""}
+    run = tmp_path / "r1"
+    run.mkdir()
+    for name, text in {RunDir.RUN_ID: "r1\n", RunDir.LOG: "x", RunDir.SHRINKS: json.dumps(record) + "\n"}.items():
+        (run / name).write_text(text)
+    st = records.status(run, "r1")
+    assert [s["said"] for s in st["shrinks"]] == [
+        "continued on 1 of 2 nodes after node2 was lost at step 23, from checkpoint step20; global batch 4 as "
+        "micro-batch 2 x 2 accumulation x 1 ranks"]
+    row = records.runs_table(tmp_path)[0]
+    assert filters.runs_table([row])[1].split(" | ")[2] == "lost on 1 of 2 nodes"  # no supervisor here: lost
