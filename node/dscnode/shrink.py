@@ -130,8 +130,13 @@ def convert(python, stage, out, record):
 
 def install(save_dir, tag, new):
     """The folder `new` becomes the checkpoint's tag folder, marked complete (the one it replaces
-    removed: the universal checkpoint holds all of it)."""
+    removed: the universal checkpoint holds all of it). The checkpoints marked here after it are
+    removed too: each lacks a lost node's part (or it would have been chosen), and a loader that
+    takes the newest complete here (train.run's, the shim's agreed tag) must take this one."""
     folder = checked(save_dir, tag)
+    marked = complete.tags(save_dir) or []
+    for newer in marked[marked.index(tag) + 1:] if tag in marked else []:
+        shutil.rmtree(checked(save_dir, newer), ignore_errors=True)
     old = os.path.join(save_dir, STAGE, f"{tag}.replaced.{os.getpid()}")
     if os.path.isdir(folder):
         os.rename(folder, old)

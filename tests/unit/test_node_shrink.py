@@ -60,7 +60,7 @@ def test_the_parts_gathered_on_the_master_make_one_checkpoint_the_model_states_o
         "zero_pp_rank_1_mp_rank_00_optim_states.pt": b"r1", "COMPLETE": b"{}"}
 
 
-def test_the_universal_checkpoint_replaces_the_tag_folder_on_a_survivor_marked_and_complete(tmp_path):
+def test_the_universal_checkpoint_replaces_the_tag_folder_on_a_survivor_and_newer_ones_go(tmp_path):
     master, survivor = tmp_path / "m", tmp_path / "s"
     converted = master / shrink.STAGE / "s10"
     converted.mkdir(parents=True)
@@ -69,12 +69,15 @@ def test_the_universal_checkpoint_replaces_the_tag_folder_on_a_survivor_marked_a
     for name, data in files.items():
         (converted / name).parent.mkdir(parents=True, exist_ok=True)
         (converted / name).write_bytes(data)
+    part(survivor, "s5", {"older.pt": b"kept"})
     part(survivor, "s10", {"zero_pp_rank_2_mp_rank_00_optim_states.pt": b"old part"})
+    part(survivor, "s15", {"newer.pt": b"its lost node's part was never copied"})
     got, error = copies.relay([sys.executable, str(HELPER), "universal-send", str(master), "s10"],
                               [sys.executable, str(HELPER), "universal-receive", str(survivor), "s10"])
     assert error == "" and got == {"files": 4, "bytes": sum(map(len, files.values()))}
     assert tree(survivor / "s10") == files  # the old part replaced whole
-    assert complete.tags(str(survivor)) == ["s10"]
+    # s15, newer, lacks the lost node's part: gone, so that every loader takes s10; s5 stays
+    assert complete.tags(str(survivor)) == ["s5", "s10"] and not (survivor / "s15").exists()
     assert [p.name for p in (survivor / shrink.STAGE).iterdir()] == []  # nothing left aside
 
 
