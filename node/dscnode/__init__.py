@@ -9,6 +9,8 @@ warm-up (warm.py).
     rundir.py      the run directory's layout (RunDir), its secrets, atomic writes, reads that follow no link
     entry.py       the entry shim: the run's secrets, DeepSpeed's engine watched and its JIT op builds recorded, the user's script
     complete.py    checkpoints complete on every node: the shim's marks after each save, the tag a load agrees on
+    copies.py      each node's part of a node-local checkpoint kept on the next node, and put back from there
+    shrink.py      dsc_min_nodes: a lost node dropped at the restart, its checkpoint converted (ds_to_universal) for the survivors
     ranktimes.py   each rank's time in DeepSpeed's collectives against its steps, gathered every window (the shim installs it)
     stragglers.py  which rank the others wait for, judged from those windows (the supervisor's slow-rank mark)
     procs.py       a run's processes (found, signalled, stopped), pid files, op-build locks
