@@ -109,14 +109,17 @@ def kept_on_both(cluster, run_id):
     return both[-1] if both else None
 
 
-def test_with_dsc_min_nodes_the_run_goes_on_on_the_master_alone_after_its_worker_is_stopped(provisioned, cluster,
-                                                                                           figures):
+def test_with_dsc_min_nodes_the_run_goes_on_without_its_stopped_worker_and_takes_it_in_again(provisioned, cluster,
+                                                                                             figures):
     """dsc_min_nodes=1: the worker stopped with podman stop once a checkpoint's parts are kept on
     both nodes. At the restart the master's supervisor drops it, converts that checkpoint (the
     worker's part from its copy on the master) with ds_to_universal, and the run goes on on the
     master alone from it, at the same global batch (twice the gradient accumulation); status.yml
-    says so. (Without dsc_min_nodes the run fails: test_dead_worker_ends_the_run_on_the_master.)"""
+    says so. The worker back, a resume takes it in again: the master's newest checkpoint converted
+    for two ranks, and both nodes train on. (Without dsc_min_nodes the run fails:
+    test_dead_worker_ends_the_run_on_the_master.)"""
     run_id, worker, master = "f-fewer", cluster.names[1], cluster.master
+    started = False
     try:
         launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=5), "-e", "max_restarts=1",
                "-e", "restart_backoff_s=1", "-e", "dsc_min_nodes=1")
@@ -146,8 +149,26 @@ def test_with_dsc_min_nodes_the_run_goes_on_on_the_master_alone_after_its_worker
         assert (f"continued on 1 of 2 nodes after {worker} was lost at step {record['at_step']}, from "
                 f"checkpoint {tag}") in shown.output, shown.output[-3000:]
         assert f"run {run_id}: running" in shown.output and f"{worker}: unreachable" in shown.output
-    finally:
+
         start_again(cluster, worker)
+        started = True
+        assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}").returncode == 0
+        alone = json.loads(cluster.exec(master, f"tail -1 {RUNS}/{run_id}/metrics.jsonl").stdout)["step"]
+        again = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "preflight=false")
+        assert again.returncode == 0, again.output[-4000:]
+        back = wait(lambda: (r := json.loads(cluster.exec(master, f"tail -1 {RUNS}/{run_id}/shrinks.jsonl").stdout))
+                    .get("back") and r, 300, "the worker taken in again")
+        assert (back["lost"], back["nodes"], back["world"], back["grad_accum"]) == (
+            [], cluster.names, 2, launched["gradient_accumulation_steps"]), back
+        assert back["from_step"] <= alone, (back, alone)
+        assert wait(lambda: cluster.rank_pids(worker, run_id), 120, "a rank on the worker again")
+        wait(lambda: cluster.run_status(run_id)["last"]["step"] > back["from_step"] + 2, 180, "steps on both nodes")
+        log = cluster.exec(master, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        assert f"continued on 2 of 2 nodes with {worker} taken in again, from checkpoint {back['checkpoint']}" in log
+        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{back['checkpoint']} (step {back['from_step']})" in log
+    finally:
+        if not started:
+            start_again(cluster, worker)
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 

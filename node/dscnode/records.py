@@ -297,14 +297,17 @@ def stopped_by(run):
 
 
 def continued(record):
-    """A continuation on fewer nodes (dscnode.shrink's record) in words: the log, status, follow."""
+    """A run gone on on other nodes (dscnode.shrink's record: fewer after a node was lost, or one
+    taken in again at a resume) in words: the log, status, follow."""
+    lost, back = record.get("lost") or [], record.get("back") or []
     at = f" at step {record['at_step']}" if record.get("at_step") is not None else ""
     since = (f", from checkpoint {record['checkpoint']}" if record.get("checkpoint")
              else ", from the start (no checkpoint saved)")
     batch = (f"; global batch {record['train_batch']} as micro-batch {record['micro_batch']} x "
              f"{record['grad_accum']} accumulation x {record['world']} ranks") if record.get("train_batch") else ""
-    return (f"continued on {len(record['nodes'])} of {record['of']} nodes after {', '.join(record['lost'])} "
-            f"{'was' if len(record['lost']) == 1 else 'were'} lost{at}{since}{batch}"
+    what = [f"after {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} lost{at}"] if lost else []
+    what += [f"with {', '.join(back)} taken in again"] if back else []
+    return (f"continued on {len(record['nodes'])} of {record['of']} nodes {' and '.join(what)}{since}{batch}"
             + (f" ({record['why']})" if record.get("why") else ""))
 
 

@@ -14,7 +14,9 @@ others, as long as dsc_min_nodes of them remain:
    through more gradient accumulation; where it cannot stay exactly, the nearest and why), and
    each node's own settings (DSC_NODE_*, indexed by the node's place among the nodes that run)
    taken for the survivors.
-The master lost ends its supervisor with it: resume.yml from the control node decides then."""
+A resume that starts the run on other nodes than it last ran on (a lost node back in the
+inventory, or one left out of it) converts the newest checkpoint the same way first, the master's
+supervisor at its start (regroup). The master lost ends its supervisor with it, and the run."""
 import json
 import os
 import shutil
@@ -26,7 +28,7 @@ from dscnode import complete
 from dscnode.copies import PARTS, checked, held, helper, part_files, relay, ring, saves, send_folder, unpack
 from dscnode.procs import on_others
 from dscnode.records import continued
-from dscnode.rundir import RunDir, append_line, read_json, read_text, write_atomic
+from dscnode.rundir import RunDir, append_line, last_line, read_json, read_text, write_atomic
 
 STAGE = ".dsc_universal"  # in the save directory: the gathered parts and the conversion, while it runs
 CONVERT_TIMEOUT_S = 4 * 3600.0
@@ -38,8 +40,9 @@ class Refused(Exception):
 
 
 def settings(run):
-    """shrink.json, as the plan wrote it (dsc_min_nodes set), or None: {min_nodes, slots: {node:
-    ranks}, worlds: {world size: {config, micro_batch, grad_accum, train_batch, exact, why}}}."""
+    """shrink.json, as the plan wrote it (dsc_min_nodes set), or None: {min_nodes, nodes (the
+    launch's, in the hostfile's order), slots: {node: ranks}, worlds: {world size: {config,
+    micro_batch, grad_accum, train_batch, exact, why}}}."""
     found = read_json(run / RunDir.SHRINK)
     return found if isinstance(found, dict) and found.get("min_nodes") else None
 
@@ -74,12 +77,13 @@ def convertible(held_by, hosts, lost):
     return None
 
 
-def gather(save_dir, tag, hosts, lost, held_by):
-    """Every node's part of the checkpoint in one folder on this node (the master), which it
-    returns: its own, each survivor's sent by the survivor, each lost node's by its keeper (a copy
-    this node keeps already is taken as it is)."""
-    here, keeper, folder = hosts[0], ring(hosts), checked(save_dir, tag)
-    for node in hosts[1:]:
+def gather(save_dir, tag, hosts, lost, held_by, here):
+    """Every part of the checkpoint `hosts` saved, in one folder on this node (`here`, the master),
+    which it returns: its own, each other node's sent by that node, a lost node's by its keeper (a
+    copy this node keeps already is taken as it is)."""
+    keeper, folder = ring(hosts), checked(save_dir, tag)
+    others = [n for n in hosts if n != here]
+    for node in others:
         if node in held_by[here]["copies"].get(tag, []):
             continue
         source = keeper[node] if node in lost else node
@@ -90,7 +94,7 @@ def gather(save_dir, tag, hosts, lost, held_by):
     stage = os.path.join(save_dir, STAGE, f"{tag}.parts")
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage, mode=0o750)
-    for source in [folder] + [os.path.join(folder, PARTS, n) for n in hosts[1:]]:
+    for source in [folder] + [os.path.join(folder, PARTS, n) for n in others]:
         for rel in part_files(source):
             dest = os.path.join(stage, rel)
             if os.path.exists(dest):  # the model states every node's local rank 0 saved alike
@@ -197,51 +201,68 @@ def node_env(text, hosts, survivors):
     return "\n".join(lines) + "\n"
 
 
-def shrink(run, cmd, hosts, lost, held_by, env, lost_at=None):
-    """Go on without the lost nodes (lost after step `lost_at`, the run's last logged): the
-    checkpoint converted and installed on every survivor, the survivors' command and environment
-    (`env`, the attempts', changed in place). Returns (survivors, command); raises Refused."""
+def command_for(run, cmd, nodes, env):
+    """The launch's command `cmd` for `nodes` (the master first) of the launch's (shrink.json's):
+    the others left out (without), the ds_config of their world size, and the ranks' environment
+    for them (`env`, the attempts', changed in place: DS_ENV_FILE). Returns (command, world
+    size's batch); raises Refused where the plan wrote none for that world size."""
     found = settings(run) or {}
-    survivors = [h for h in hosts if h not in lost]
-    if hosts[0] in lost:
-        raise Refused(f"the master {hosts[0]} is lost")
-    if len(survivors) < found.get("min_nodes", len(hosts)):
-        raise Refused(f"{len(survivors)} of {len(hosts)} nodes are left and dsc_min_nodes is {found.get('min_nodes')}")
-    world = sum(int(found.get("slots", {}).get(h, 0)) for h in survivors)
-    batch = found.get("worlds", {}).get(str(world))
-    if not batch:
-        raise Refused(f"the plan holds no configuration for {world} ranks on {', '.join(survivors)}")
+    launched = found.get("nodes") or []
+    world = sum(int(found.get("slots", {}).get(n, 0)) for n in nodes)
+    batch = (found.get("worlds") or {}).get(str(world))
+    if not batch or not set(nodes) <= set(launched):
+        raise Refused(f"the plan holds no configuration for {world} ranks on {', '.join(nodes)}")
+    write_atomic(run / RunDir.SHRUNK_ENV, node_env(read_text(run / RunDir.DS_ENV), launched, nodes))
+    env["DS_ENV_FILE"] = str(run / RunDir.SHRUNK_ENV)
+    launch_config, config = str(run / RunDir.DS_CONFIG), str(run / batch["config"])
+    left_out = [n for n in launched if n not in nodes]
+    return [config if arg == launch_config else arg for arg in (without(cmd, left_out) if left_out else cmd)], dict(batch, world=world)
+
+
+def regroup(run, cmd, source, nodes, held_by, env, lost_at=None):
+    """Go on with `nodes` (the master first) from the newest checkpoint that `source` saved (the
+    nodes the run ran on): the nodes of `source` not among them are lost (their parts taken from
+    their copies), those not in `source` taken in again. The checkpoint converted (ds_to_universal)
+    and installed on each of `nodes`, then the launch's command `cmd` for them (command_for).
+    Returns the command; raises Refused. `held_by`: what each node of `source` holds (survey)."""
+    found = settings(run) or {}
+    lost, back = [n for n in source if n not in nodes], [n for n in nodes if n not in source]
+    if len(nodes) < found.get("min_nodes", len(source)):
+        raise Refused(f"{len(nodes)} of {len(found.get('nodes') or source)} nodes are left and dsc_min_nodes is "
+                      f"{found.get('min_nodes')}")
+    command, batch = command_for(run, cmd, nodes, env)
     recorded = saves(run)
     step = tag = None
     if recorded:
-        save_dir = recorded[-1]["save_dir"]
-        tag = convertible(held_by, hosts, lost)
+        save_dir, here = recorded[-1]["save_dir"], nodes[0]
+        tag = convertible(held_by, source, lost)
         if tag is None:
-            raise Refused(f"no checkpoint in {save_dir} is complete on {', '.join(survivors)} with a copy of "
-                          f"{', '.join(lost)}'s part on one of them")
+            raise Refused(f"no checkpoint in {save_dir} is complete on {', '.join(n for n in source if n not in lost)}"
+                          + (f" with a copy of {', '.join(lost)}'s part on one of them" if lost else ""))
         started = time.time()
-        stage = gather(save_dir, tag, hosts, lost, held_by)
+        stage = gather(save_dir, tag, source, lost, held_by, here)
         out = os.path.join(save_dir, STAGE, tag)
         python = os.path.join(os.path.dirname(cmd[0]), "python")
-        seconds = convert(python, stage, out, {"tag": tag, "lost": lost, "nodes": hosts, "to": survivors})
+        seconds = convert(python, stage, out, {"tag": tag, "from": source, "to": nodes, "lost": lost})
         shutil.rmtree(stage, ignore_errors=True)
-        for node in survivors[1:]:
-            got, error = relay(helper(hosts[0], hosts[0], "universal-send", save_dir, tag),
-                               helper(node, hosts[0], "universal-receive", save_dir, tag))
+        for node in nodes[1:]:
+            got, error = relay(helper(here, here, "universal-send", save_dir, tag),
+                               helper(node, here, "universal-receive", save_dir, tag))
             if not got:
                 raise Refused(f"the universal checkpoint did not reach {node}: {error}")
         install(save_dir, tag, out)
         step = next((s.get("step") for s in reversed(recorded) if s["tag"] == tag), None)
-        print(f"[dsc_node] checkpoint {tag} converted for {world} ranks (ds_to_universal {seconds:.1f} s, "
+        print(f"[dsc_node] checkpoint {tag} converted for {batch['world']} ranks (ds_to_universal {seconds:.1f} s, "
               f"{time.time() - started:.1f} s with gathering and sending)", flush=True)
-    write_atomic(run / RunDir.SHRUNK_ENV, node_env(read_text(env["DS_ENV_FILE"]) if env.get("DS_ENV_FILE") else "",
-                                                  hosts, survivors))
-    env["DS_ENV_FILE"] = str(run / RunDir.SHRUNK_ENV)
-    config = str(run / RunDir.world_config(world))
-    shrunk = [config if arg == str(run / RunDir.DS_CONFIG) else arg for arg in without(cmd, lost)]
-    record = {"time": round(time.time(), 1), "lost": lost, "nodes": survivors, "of": len(hosts),
-              "at_step": lost_at, "checkpoint": tag, "from_step": step, "world": world, **{k: batch.get(k) for k in ("micro_batch", "grad_accum", "train_batch", "exact", "why")}}
+    record = {"time": round(time.time(), 1), "lost": lost, "back": back, "nodes": nodes,
+              "of": len(found.get("nodes") or source), "at_step": lost_at, "checkpoint": tag, "from_step": step,
+              **{k: batch.get(k) for k in ("world", "micro_batch", "grad_accum", "train_batch", "exact", "why")}}
     append_line(run / RunDir.SHRINKS, json.dumps(record))
     print(f"[dsc_node] {continued(record)}", flush=True)
-    return survivors, shrunk
+    return command
 
+
+def ran_on(run, launched):
+    """The nodes the run ran on last: the last regroup's (SHRINKS), else the launch's."""
+    done = last_line(run / RunDir.SHRINKS) or {}
+    return done.get("nodes") if isinstance(done.get("nodes"), list) else list(launched)

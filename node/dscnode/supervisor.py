@@ -61,6 +61,8 @@ def describe(cause):
         return f"the connection to {cause['node']} was lost (node down or sshd gone)"
     if cause["kind"] == "gpu_health":
         return f"the GPU gate refused the restart: {'; '.join(cause['findings'])}"
+    if cause["kind"] == "nodes":
+        return f"the run cannot start on {', '.join(cause['nodes'])}: {cause['why']}"
     return f"ranks on {cause['node']} exited with code {cause['code']}"
 
 
@@ -331,9 +333,18 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     restarts = int(restarts_file.read_text()) if restarts_file.exists() else 0
     # At the ladder step the run is at (a resumed or restarted run that stepped down keeps it).
     base = at_step(cmd, run, len(step_downs(run.path)))
-    attempt = list(base)
     stall = dict(stall or {}, ras=any((used_gpus or {}).values()))  # on GPU nodes a stall asks NCCL's RAS too
     copier = copies.Copier(run, hosts, keep_copies, logged_step=lambda: run_steps(run))
+    try:  # dsc_min_nodes: a run that went on on fewer nodes, launched again on others
+        base = start_on(run, base, list(hosts), env)
+    except (shrink.Refused, SystemExit, OSError) as e:
+        cause = {"kind": "nodes", "node": hosts[0], "nodes": list(hosts), "why": str(e)}
+        print(f"[dsc_node] {describe(cause)}", flush=True)
+        record_failure(run, cause, exit_code=1, teardown=False, restarts=restarts)
+        record_exit(run, 1)
+        (run / RunDir.PID).unlink(missing_ok=True)
+        os._exit(1)
+    attempt = list(base)
     while True:
         # Where this attempt's output starts, taken before the spawn: its first failure line is
         # never missed, and status reads the latest attempt's error, not an earlier one's.
@@ -379,7 +390,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         if (run / RunDir.STOPPED).exists():
             break
         refused = gpu_gate(list(hosts), used_gpus or {})
-        fewer = go_on_fewer(run, base, list(hosts), refused, env)
+        fewer = go_on_fewer(run, cmd, list(hosts), refused, env)
         if fewer:  # dsc_min_nodes: on without the lost nodes, from their checkpoint converted
             (hosts, base), refused = fewer, []
             copier = copies.Copier(run, hosts, keep_copies, logged_step=lambda: run_steps(run))
@@ -396,23 +407,45 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     os._exit(0 if code == 0 else 1)
 
 
+def save_dir_of(run):
+    """Where the run saved its last node-local checkpoint (SAVES), else its own directory."""
+    recorded = copies.saves(run)
+    return recorded[-1]["save_dir"] if recorded else str(run.path)
+
+
 def go_on_fewer(run, cmd, hosts, refused, env):
-    """dsc_min_nodes, before a restart: (the survivors, their command) where a node is lost (it
-    does not answer, or the GPU gate refused it: `refused`) and the run may go on without it
-    (dscnode.shrink); None where no node is lost, dsc_min_nodes is not set or the run cannot go on
-    (said in the log: the restart then goes as it would have)."""
+    """dsc_min_nodes, before a restart: (the survivors, the launch's command `cmd` for them) where
+    a node is lost (it does not answer, or the GPU gate refused it: `refused`) and the run may go
+    on without it (dscnode.shrink); None where no node is lost, dsc_min_nodes is not set or the
+    run cannot go on (said in the log: the restart then goes as it would have)."""
     if not shrink.settings(run):
         return None
-    recorded = copies.saves(run)
-    held_by = shrink.survey(hosts, recorded[-1]["save_dir"] if recorded else str(run.path))
+    held_by = shrink.survey(hosts, save_dir_of(run))
     lost = shrink.lost_nodes(hosts, held_by, refused)
     if not lost:
         return None
+    survivors = [h for h in hosts if h not in lost]
     try:
-        return shrink.shrink(run, cmd, hosts, lost, held_by, env, lost_at=run_steps(run))
+        return survivors, shrink.regroup(run, cmd, hosts, survivors, held_by, env, lost_at=run_steps(run))
     except (shrink.Refused, SystemExit, OSError) as e:
         print(f"[dsc_node] the run cannot go on without {', '.join(lost)}: {e}", flush=True)
         return None
+
+
+def start_on(run, cmd, hosts, env):
+    """dsc_min_nodes, at a launch or resume: the command for `hosts`, where the run last ran on
+    other nodes (it went on on fewer, and a node is back or left out of the inventory): the
+    newest checkpoint those saved converted for `hosts` first (dscnode.shrink.regroup). The
+    launch's command `cmd` as it is where nothing changed; raises shrink.Refused."""
+    found = shrink.settings(run)
+    if not found:
+        return cmd
+    source = shrink.ran_on(run, found.get("nodes") or hosts)
+    if source == hosts:
+        return cmd if hosts == found.get("nodes") else shrink.command_for(run, cmd, hosts, env)[0]
+    if source[0] != hosts[0]:
+        raise shrink.Refused(f"it last ran with {source[0]} as its master, which is not this node ({hosts[0]})")
+    return shrink.regroup(run, cmd, source, hosts, shrink.survey(source, save_dir_of(run)), env)
 
 
 def run_steps(run):

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from dscnode import complete, copies, records, shrink
 from dscnode.rundir import RunDir
 from tests.unit.node_helpers import HELPER
@@ -54,7 +56,7 @@ def test_the_parts_gathered_on_the_master_make_one_checkpoint_the_model_states_o
     (kept / "mp_rank_00_model_states.pt").write_bytes(b"model")
     (kept / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"r1")
     stage = shrink.gather(str(save), "s10", ["node1", "node2"], ["node2"],
-                          {"node1": held(["s10"], {"s10": ["node2"]})})
+                          {"node1": held(["s10"], {"s10": ["node2"]})}, "node1")
     assert tree(Path(stage)) == {
         "mp_rank_00_model_states.pt": b"model", "zero_pp_rank_0_mp_rank_00_optim_states.pt": b"r0",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt": b"r1", "COMPLETE": b"{}"}
@@ -101,6 +103,29 @@ def test_the_survivors_command_leaves_the_lost_nodes_out_and_takes_their_world_s
                                                          "--hostfile", "/r/hostfile", "/h", "entry"]
 
 
+def test_the_launchs_command_for_fewer_nodes_or_all_of_them_again(tmp_path):
+    run = RunDir(tmp_path)
+    (tmp_path / RunDir.SHRINK).write_text(json.dumps({
+        "min_nodes": 1, "nodes": HOSTS, "slots": dict.fromkeys(HOSTS, 2),
+        "worlds": {"2": {"config": "ds_config.world2.json", "micro_batch": 4, "grad_accum": 3, "train_batch": 24},
+                   "4": {"config": "ds_config.world4.json", "micro_batch": 3, "grad_accum": 2, "train_batch": 24},
+                   "6": {"config": "ds_config.json", "micro_batch": 4, "grad_accum": 1, "train_batch": 24}}}))
+    (tmp_path / RunDir.DS_ENV).write_text("DSC_NODE_NCCL_SOCKET_IFNAME=eth0/ens5/eth1\n")
+    cmd = ["/env/bin/deepspeed", "--master_port", "29500", "--hostfile", f"{tmp_path}/hostfile", "/h", "entry",
+           "--deepspeed_config", f"{tmp_path}/ds_config.json", "--resume"]
+    env = {"DS_ENV_FILE": f"{tmp_path}/.deepspeed_env"}
+    got, batch = shrink.command_for(run, cmd, ["node1", "node3"], env)
+    assert got == ["/env/bin/deepspeed", "--exclude", "node2", "--master_port", "29500", "--hostfile",
+                   f"{tmp_path}/hostfile", "/h", "entry", "--deepspeed_config", f"{tmp_path}/ds_config.world4.json",
+                   "--resume"]
+    assert batch["world"] == 4 and batch["micro_batch"] == 3
+    assert env["DS_ENV_FILE"] == str(run / RunDir.SHRUNK_ENV)
+    assert (tmp_path / RunDir.SHRUNK_ENV).read_text() == "DSC_NODE_NCCL_SOCKET_IFNAME=eth0/eth1\n"
+    assert shrink.command_for(run, cmd, HOSTS, env)[0] == cmd  # every node again: the launch's own
+    with pytest.raises(shrink.Refused, match="^the plan holds no configuration for 2 ranks on node1, node4$"):
+        shrink.command_for(run, cmd, ["node1", "node4"], env)  # a node the run was not launched on
+
+
 def test_each_nodes_own_settings_are_taken_for_the_survivors_in_their_order():
     text = "PATH=/env/bin\nDSC_NODE_NCCL_SOCKET_IFNAME=eth0/ens5/eth1\nDSC_NODE_NCCL_IB_GID_INDEX=3//3\n"
     assert shrink.node_env(text, HOSTS, ["node1", "node3"]) == (
@@ -132,3 +157,6 @@ def test_status_follow_and_runs_say_the_run_went_on_on_fewer_nodes(tmp_path):
         "micro-batch 2 x 2 accumulation x 1 ranks"]
     row = records.runs_table(tmp_path)[0]
     assert filters.runs_table([row])[1].split(" | ")[2] == "lost on 1 of 2 nodes"  # no supervisor here: lost
+    back = dict(record, lost=[], back=["node2"], nodes=["node1", "node2"], at_step=None, world=2, grad_accum=1)
+    assert records.continued(back) == ("continued on 2 of 2 nodes with node2 taken in again, from checkpoint step20; "
+                                       "global batch 4 as micro-batch 2 x 1 accumulation x 2 ranks")

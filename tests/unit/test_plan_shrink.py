@@ -38,12 +38,16 @@ def test_each_world_size_of_the_master_and_enough_nodes_gets_its_config_and_the_
     files = p["run"]["files"]
     shrink = json.loads(files["shrink.json"])
     assert shrink["min_nodes"] == 1 and shrink["slots"] == {"node1": 2, "node2": 2, "node3": 2}
-    assert sorted(shrink["worlds"]) == ["2", "4"]  # the master alone, or with one other; 6 is the launch's own
+    assert shrink["nodes"] == ["node1", "node2", "node3"]
+    # the master alone, or with one other; 6 is the launch's own (every node back), its own file
+    assert sorted(shrink["worlds"]) == ["2", "4", "6"] and shrink["worlds"]["6"]["config"] == "ds_config.json"
+    assert sorted(f for f in files if f.startswith("ds_config")) == [
+        "ds_config.json", "ds_config.world2.json", "ds_config.world4.json"]
     full = json.loads(files["ds_config.json"])
     assert full["train_batch_size"] == 4 * 2 * 6
     for world, sizes in shrink["worlds"].items():
         cfg = json.loads(files[sizes["config"]])
-        assert sizes["config"] == f"ds_config.world{world}.json"
+        assert sizes["config"] == (f"ds_config.world{world}.json" if world != "6" else "ds_config.json")
         assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (
             48, 4, 48 // (4 * int(world)))
         assert {k: v for k, v in cfg.items() if k not in (
@@ -51,7 +55,7 @@ def test_each_world_size_of_the_master_and_enough_nodes_gets_its_config_and_the_
             k: v for k, v in full.items() if k not in (
                 "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
     p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=2), full_run=True)
-    assert sorted(json.loads(p["run"]["files"]["shrink.json"])["worlds"]) == ["4"]
+    assert sorted(json.loads(p["run"]["files"]["shrink.json"])["worlds"]) == ["4", "6"]
 
 
 @pytest.mark.parametrize("value", [0, 3])

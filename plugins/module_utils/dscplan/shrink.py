@@ -67,16 +67,23 @@ def shrink_files(opt, plan, launcher, config, step_down, problems):
         return {}
     total, micro = sizes
     others = nodes[1:]
-    worlds = {}
+    full = sum(n.slots for n in nodes)  # the launch's own, taken again where every node is back
+    worlds = {full: {"micro_batch": micro, "grad_accum": config.get("gradient_accumulation_steps"),
+                     "train_batch": total, "exact": True, "why": ""}}
     for size in range(least - 1, len(others)):  # the master and `size` others
         for chosen in itertools.combinations(others, size):
             world = nodes[0].slots + sum(n.slots for n in chosen)
             worlds.setdefault(world, shrunk_batch(total, micro, world))
-    files = {RunDir.SHRINK: json.dumps({"min_nodes": least, "slots": {n.name: n.slots for n in nodes},
-                                        "worlds": {str(w): dict(b, config=RunDir.world_config(w))
+    def config_of(world):
+        return RunDir.DS_CONFIG if world == full else RunDir.world_config(world)
+    files = {RunDir.SHRINK: json.dumps({"min_nodes": least, "nodes": [n.name for n in nodes],
+                                        "slots": {n.name: n.slots for n in nodes},
+                                        "worlds": {str(w): dict(b, config=config_of(w))
                                                    for w, b in sorted(worlds.items())}},
                                        indent=2, sort_keys=True) + "\n"}
     for world, sizes in worlds.items():
+        if world == full:
+            continue
         files[RunDir.world_config(world)] = json.dumps(
             dict(config, train_batch_size=sizes["train_batch"], train_micro_batch_size_per_gpu=sizes["micro_batch"],
                  gradient_accumulation_steps=sizes["grad_accum"]), indent=2, sort_keys=True) + "\n"
