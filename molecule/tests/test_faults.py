@@ -90,16 +90,26 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
         assert nothing_left(cluster, cluster.names, run_id)
 
 
-def start_again(cluster, worker):
-    """A worker stopped with podman stop started again, and reached over ssh from the master."""
-    subprocess.run(["podman", "start", testcluster.PREFIX + worker], check=False, capture_output=True)
-    host = next(h for h in cluster.info["hosts"] if h["name"] == worker)
+def start_again(cluster, node):
+    """A node stopped with podman stop started again, and the master reaching every other node
+    over ssh as the training user again."""
+    subprocess.run(["podman", "start", testcluster.PREFIX + node], check=False, capture_output=True)
+    host = next(h for h in cluster.info["hosts"] if h["name"] == node)
     testcluster.wait_ssh([host])
-    # The master's neighbour cache still holds the old interface's address: forgotten now, the
+    # The others' neighbour caches still hold the old interface's address: forgotten now, the
     # next packet asks again.
-    cluster.exec(cluster.master, f"ip neigh flush to {host['ip']}", check=False)
-    wait(lambda: cluster.exec(cluster.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {worker} true'",
-                              check=False).returncode == 0, 120, f"ssh from the master to {worker} again", every=2)
+    for other in cluster.names:
+        if other != node:
+            cluster.exec(other, f"ip neigh flush to {host['ip']}", check=False)
+    for other in cluster.names[1:]:
+        wait(lambda o=other: cluster.exec(cluster.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {o} true'",
+                                          check=False).returncode == 0, 120, f"ssh from the master to {other} again",
+             every=2)
+
+
+def status_on(cluster, node, run_id):
+    """A node's status of a run (the node helper's JSON): the master's where it took the run over."""
+    return json.loads(cluster.exec(node, f"{testcluster.HELPER} status {RUNS}/{run_id} {run_id}", user="dstrain").stdout)
 
 
 def kept_on_both(cluster, run_id):
@@ -109,22 +119,24 @@ def kept_on_both(cluster, run_id):
     return both[-1] if both else None
 
 
-def test_with_dsc_min_nodes_the_run_goes_on_without_its_stopped_worker_and_takes_it_in_again(provisioned, cluster,
-                                                                                             figures):
+def test_with_dsc_min_nodes_the_run_goes_on_without_a_stopped_node_and_takes_it_in_again(provisioned, cluster,
+                                                                                        figures, tmp_path):
     """dsc_min_nodes=1: the worker stopped with podman stop once a checkpoint's parts are kept on
     both nodes. At the restart the master's supervisor drops it, converts that checkpoint (the
     worker's part from its copy on the master) with ds_to_universal, and the run goes on on the
     master alone from it, at the same global batch (twice the gradient accumulation); status.yml
     says so. The worker back, a resume takes it in again: the master's newest checkpoint converted
-    for two ranks, and both nodes train on. (Without dsc_min_nodes the run fails:
+    for two ranks, and both nodes train on. Then the master stopped: resume.yml with an inventory
+    of the worker alone goes on there, the worker the master now, from the newest checkpoint with
+    the lost master's part from its copy on the worker. (Without dsc_min_nodes the run fails:
     test_dead_worker_ends_the_run_on_the_master.)"""
     run_id, worker, master = "f-fewer", cluster.names[1], cluster.master
-    started = False
+    down = None
     try:
         launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=5), "-e", "max_restarts=1",
                "-e", "restart_backoff_s=1", "-e", "dsc_min_nodes=1")
         wait(lambda: kept_on_both(cluster, run_id), 240, "a checkpoint's parts kept on both nodes")
-        lost_at = time.time()
+        lost_at, down = time.time(), worker
         subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + worker], check=True, capture_output=True)
         went_on = wait(lambda: cluster.exec(master, f"cat {RUNS}/{run_id}/shrinks.jsonl 2>/dev/null || true").stdout,
                        300, "the run to go on without the worker")
@@ -151,7 +163,7 @@ def test_with_dsc_min_nodes_the_run_goes_on_without_its_stopped_worker_and_takes
         assert f"run {run_id}: running" in shown.output and f"{worker}: unreachable" in shown.output
 
         start_again(cluster, worker)
-        started = True
+        down = None
         assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}").returncode == 0
         alone = json.loads(cluster.exec(master, f"tail -1 {RUNS}/{run_id}/metrics.jsonl").stdout)["step"]
         again = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "preflight=false")
@@ -166,9 +178,30 @@ def test_with_dsc_min_nodes_the_run_goes_on_without_its_stopped_worker_and_takes
         log = cluster.exec(master, f"cat {RUNS}/{run_id}/launcher.log").stdout
         assert f"continued on 2 of 2 nodes with {worker} taken in again, from checkpoint {back['checkpoint']}" in log
         assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{back['checkpoint']} (step {back['from_step']})" in log
+
+        wait(lambda: (k := kept_on_both(cluster, run_id)) and k["time"] > back["time"], 240,
+             "a checkpoint of both nodes kept on both again")
+        down = master
+        subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + master], check=True, capture_output=True)
+        alone = tmp_path / "worker-alone"
+        testcluster.write_inventory([h for h in cluster.info["hosts"] if h["name"] == worker], inv=alone)
+        # its ranks wait in a collective for the master's: stopped first, as after any lost master
+        assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}", inventory=alone).returncode == 0
+        moved = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "preflight=false", inventory=alone)
+        assert moved.returncode == 0, moved.output[-4000:]
+        taken = wait(lambda: (r := json.loads(cluster.exec(worker, f"tail -1 {RUNS}/{run_id}/shrinks.jsonl 2>/dev/null "
+                                                                   "|| echo {}").stdout)).get("lost") and r,
+                     300, "the run to go on on the worker")
+        assert (taken["lost"], taken["nodes"], taken["world"]) == ([master], [worker], 1), taken
+        wait(lambda: (status_on(cluster, worker, run_id)["last"] or {}).get("step", 0) > taken["from_step"] + 2,
+             180, "steps on the worker, the master now")
+        log = cluster.exec(worker, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        assert f"continued on 1 of 2 nodes after {master} was lost, from checkpoint {taken['checkpoint']}" in log
+        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{taken['checkpoint']} (step {taken['from_step']})" in log
+        assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}", inventory=alone).returncode == 0
     finally:
-        if not started:
-            start_again(cluster, worker)
+        if down:
+            start_again(cluster, down)
         cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 

@@ -65,8 +65,9 @@ class EngineWatch:
     - checkpoints complete across the cluster: each save's tag is marked complete once DeepSpeed's
       save returns, and a load without a tag takes the newest tag complete on every node
       (dscnode.complete), not a node's own `latest`.
-    - node-local saves recorded: global rank 0 appends each to saves.jsonl, and the supervisor
-      keeps each node's part on another node too (dscnode.copies).
+    - node-local saves recorded: each node's local rank 0 appends each to its saves.jsonl; the
+      master's supervisor keeps each node's part on another node too (dscnode.copies), and a
+      master that takes over a run (dscnode.shrink) finds its checkpoints there.
     Applied when deepspeed.runtime.engine is imported (AfterImport), whoever imports it (the
     script, HF's Trainer, accelerate)."""
 
@@ -155,7 +156,7 @@ class EngineWatch:
                 if save_latest and engine.global_rank != 0:
                     write_atomic(Path(save_dir) / "latest", str(tag))
                 complete.mark(save_dir, tag)
-            if engine.global_rank == 0 and engine.use_node_local_storage():
+            if engine.local_rank == 0 and engine.use_node_local_storage():
                 hook.record_save(save_dir, tag, engine.global_steps)
             return out
 

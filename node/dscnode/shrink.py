@@ -15,8 +15,8 @@ others, as long as dsc_min_nodes of them remain:
    each node's own settings (DSC_NODE_*, indexed by the node's place among the nodes that run)
    taken for the survivors.
 A resume that starts the run on other nodes than it last ran on (a lost node back in the
-inventory, or one left out of it) converts the newest checkpoint the same way first, the master's
-supervisor at its start (regroup). The master lost ends its supervisor with it, and the run."""
+inventory, or one left out of it: the master too, the next node then the master) converts the
+newest checkpoint the same way first, the master's supervisor at its start (regroup)."""
 import json
 import os
 import shutil
@@ -230,6 +230,9 @@ def regroup(run, cmd, source, nodes, held_by, env, lost_at=None):
     if len(nodes) < found.get("min_nodes", len(source)):
         raise Refused(f"{len(nodes)} of {len(found.get('nodes') or source)} nodes are left and dsc_min_nodes is "
                       f"{found.get('min_nodes')}")
+    silent = [n for n in source if n in nodes and n not in held_by]
+    if silent:
+        raise Refused(f"{', '.join(silent)} did not answer")
     command, batch = command_for(run, cmd, nodes, env)
     recorded = saves(run)
     step = tag = None

@@ -443,9 +443,9 @@ def start_on(run, cmd, hosts, env):
     source = shrink.ran_on(run, found.get("nodes") or hosts)
     if source == hosts:
         return cmd if hosts == found.get("nodes") else shrink.command_for(run, cmd, hosts, env)[0]
-    if source[0] != hosts[0]:
-        raise shrink.Refused(f"it last ran with {source[0]} as its master, which is not this node ({hosts[0]})")
-    return shrink.regroup(run, cmd, source, hosts, shrink.survey(source, save_dir_of(run)), env)
+    # this node first: the master, which may be another than the one the run last ran on (lost)
+    asked = [hosts[0]] + [n for n in source if n != hosts[0]]
+    return shrink.regroup(run, cmd, source, hosts, shrink.survey(asked, save_dir_of(run)), env)
 
 
 def run_steps(run):

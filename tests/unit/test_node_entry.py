@@ -370,10 +370,10 @@ def test_a_ranks_peaks_are_labelled_with_the_ladder_step_its_command_names(tmp_p
     assert (stepped["preset"], stepped["micro_batch"], stepped["predicted"]) == ("zero2", 8, 1)
 
 
-def test_rank_0_records_each_node_local_save_for_the_supervisor_to_copy(tmp_path):
+def test_each_nodes_local_rank_0_records_each_node_local_save_for_the_supervisor_to_copy(tmp_path):
     """saves.jsonl, what the supervisor copies to other nodes (dscnode.copies): each node-local
-    save, recorded by global rank 0 when DeepSpeed's save returns, never by another rank, nor
-    where checkpoints are on shared storage."""
+    save, recorded by the node's local rank 0 when DeepSpeed's save returns (each node's run
+    directory its own), never by another rank, nor where checkpoints are on shared storage."""
     run, ckpt = tmp_path / "r1", tmp_path / "ckpt"
     run.mkdir()
     ckpt.mkdir()
@@ -387,10 +387,10 @@ def test_rank_0_records_each_node_local_save_for_the_supervisor_to_copy(tmp_path
             return self.node_local
     watch = entry.EngineWatch(run / "progress.jsonl")
     watch.patch(Engine)
-    master, worker, shared = Engine(0), Engine(1), Engine(0, node_local=False)
+    master, second, shared = Engine(0), Engine(1), Engine(0, node_local=False)
     master.step()
     master.save_checkpoint(str(ckpt), tag="step1")
-    worker.save_checkpoint(str(ckpt), tag="step1")
+    second.save_checkpoint(str(ckpt), tag="step1")  # the master's second rank
     shared.save_checkpoint(str(ckpt), tag="step2")
     saves = [json.loads(x) for x in (run / rundir.RunDir.SAVES).read_text().splitlines()]
     assert [(s["save_dir"], s["tag"], s["step"]) for s in saves] == [(str(ckpt), "step1", 1)]
