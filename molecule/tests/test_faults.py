@@ -133,7 +133,9 @@ def test_with_dsc_min_nodes_the_run_goes_on_without_a_stopped_node_and_takes_it_
     run_id, worker, master = "f-fewer", cluster.names[1], cluster.master
     down = None
     try:
-        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=5), "-e", "max_restarts=1",
+        # a save every 2 s or so; a copy of one takes about 1 s, so about every 5th is copied (the
+        # copier's pace: a tenth of the time), and retention keeps the last 20: a copied one stays
+        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=20, keep_checkpoints=20), "-e", "max_restarts=1",
                "-e", "restart_backoff_s=1", "-e", "dsc_min_nodes=1")
         wait(lambda: kept_on_both(cluster, run_id), 240, "a checkpoint's parts kept on both nodes")
         lost_at, down = time.time(), worker
