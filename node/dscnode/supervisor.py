@@ -341,9 +341,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         cause = {"kind": "nodes", "node": hosts[0], "nodes": list(hosts), "why": str(e)}
         print(f"[dsc_node] {describe(cause)}", flush=True)
         record_failure(run, cause, exit_code=1, teardown=False, restarts=restarts)
-        record_exit(run, 1)
-        (run / RunDir.PID).unlink(missing_ok=True)
-        os._exit(1)
+        finish(run, hosts, 1)
     attempt = list(base)
     while True:
         # Where this attempt's output starts, taken before the spawn: its first failure line is
@@ -400,6 +398,11 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
             record_failure(run, cause, exit_code=code, teardown=True, restarts=restarts)
             break
         attempt = with_resume(base, resume_args)
+    finish(run, hosts, code)
+
+
+def finish(run, hosts, code):
+    """The run's end: its exit code here and on every other node, and this supervisor gone."""
     record_exit(run, code)
     on_others(hosts, "write-exit", str(run.path), str(code))
     (run / RunDir.PID).unlink(missing_ok=True)

@@ -160,3 +160,19 @@ def test_status_follow_and_runs_say_the_run_went_on_on_fewer_nodes(tmp_path):
     back = dict(record, lost=[], back=["node2"], nodes=["node1", "node2"], at_step=None, world=2, grad_accum=1)
     assert records.continued(back) == ("continued on 2 of 2 nodes with node2 taken in again, from checkpoint step20; "
                                        "global batch 4 as micro-batch 2 x 1 accumulation x 2 ranks")
+
+
+def test_a_resume_on_the_nodes_the_run_last_went_on_with_takes_their_command(tmp_path):
+    from dscnode import supervisor  # noqa: PLC0415 - its start alone, here
+    run = RunDir(tmp_path)
+    (tmp_path / RunDir.SHRINK).write_text(json.dumps({
+        "min_nodes": 1, "nodes": ["node1", "node2"], "slots": {"node1": 1, "node2": 1},
+        "worlds": {"1": {"config": "ds_config.world1.json"}, "2": {"config": "ds_config.json"}}}))
+    (tmp_path / RunDir.DS_ENV).write_text("PATH=/env/bin\n")
+    cmd = ["/env/bin/deepspeed", "--hostfile", "h", "/h", "entry", "--deepspeed_config", f"{tmp_path}/ds_config.json"]
+    env = {}
+    assert supervisor.start_on(run, cmd, ["node1", "node2"], env) == cmd and env == {}  # as launched
+    (tmp_path / RunDir.SHRINKS).write_text(json.dumps({"lost": ["node2"], "nodes": ["node1"], "of": 2}) + "\n")
+    assert supervisor.start_on(run, cmd, ["node1"], env) == [
+        "/env/bin/deepspeed", "--exclude", "node2", "--hostfile", "h", "/h", "entry", "--deepspeed_config",
+        f"{tmp_path}/ds_config.world1.json"]
