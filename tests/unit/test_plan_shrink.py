@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dscplan.shrink import shrunk_batch
+from dscplan.shrink import shrunk_batch, smaller_worlds
 from tests.unit.plan_helpers import plan
 
 GO_ON = {"preset": "zero2", "dsc_micro_batch": 4, "dsc_grad_accum": 2, "max_restarts": 2}
@@ -56,6 +56,12 @@ def test_each_world_size_of_the_master_and_enough_nodes_gets_its_config_and_the_
                 "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
     p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=2), full_run=True)
     assert sorted(json.loads(p["run"]["files"]["shrink.json"])["worlds"]) == ["4", "6"]
+
+
+def test_the_world_sizes_are_those_of_any_nodes_left_the_master_among_the_lost_too():
+    assert smaller_worlds([4, 2, 1], 1) == [1, 2, 3, 4, 5, 6]  # 7, every node, is the launch's own
+    assert smaller_worlds([4, 2, 1], 2) == [3, 5, 6]
+    assert smaller_worlds([8] * 64, 63) == [504]  # 64 nodes: no combinations counted
 
 
 @pytest.mark.parametrize("value", [0, 3])

@@ -1,10 +1,9 @@
 """dsc_min_nodes: what a run may go on with when it loses nodes, decided at launch. For each world
-size of the master and at least dsc_min_nodes nodes, the batch that keeps the global batch (or the
-nearest, and why) and that world size's ds_config, in the run directory on every node; the
-master's supervisor takes them at the restart that drops a lost node (dscnode.shrink)."""
+size of at least dsc_min_nodes nodes, the batch that keeps the global batch (or the nearest, and
+why) and that world size's ds_config, in the run directory on every node; the master's supervisor
+takes them where the run goes on on other nodes (dscnode.shrink)."""
 from __future__ import annotations
 
-import itertools
 import json
 
 from dscnode.rundir import RunDir
@@ -32,9 +31,9 @@ def shrunk_batch(total, micro, world):
 
 
 def shrink_files(opt, plan, launcher, config, step_down, problems):
-    """dsc_min_nodes: shrink.json (the nodes' ranks, and for each world size the run may go on at
-    with the master and at least dsc_min_nodes nodes, its batch: deepspeed_config.shrunk_batch)
-    and that world size's ds_config, written once, at launch; {} where it is 0. Refused where the
+    """dsc_min_nodes: shrink.json (the launch's nodes and their ranks, and for each world size the
+    run may go on at, its batch: shrunk_batch) and each smaller world size's ds_config, written
+    once, at launch; {} where it is 0. Refused where the
     run could not go on: a launch mode whose supervisor does not reach every node, no restarts to
     go on with, no copies of the lost node's checkpoint part, a batch the toolkit does not set, or
     preset=auto's step-down ladder (its steps are each one ds_config of the full cluster)."""
@@ -66,25 +65,28 @@ def shrink_files(opt, plan, launcher, config, step_down, problems):
         problems.add(f"dsc_min_nodes={least}: " + "; ".join(why) + ".")
         return {}
     total, micro = sizes
-    others = nodes[1:]
     full = sum(n.slots for n in nodes)  # the launch's own, taken again where every node is back
-    worlds = {full: {"micro_batch": micro, "grad_accum": config.get("gradient_accumulation_steps"),
-                     "train_batch": total, "exact": True, "why": ""}}
-    for size in range(least - 1, len(others)):  # the master and `size` others
-        for chosen in itertools.combinations(others, size):
-            world = nodes[0].slots + sum(n.slots for n in chosen)
-            worlds.setdefault(world, shrunk_batch(total, micro, world))
-    def config_of(world):
-        return RunDir.DS_CONFIG if world == full else RunDir.world_config(world)
+    worlds = {full: dict(micro_batch=micro, grad_accum=config.get("gradient_accumulation_steps"), train_batch=total,
+                         exact=True, why="", config=RunDir.DS_CONFIG)}
+    for world in smaller_worlds([n.slots for n in nodes], least):
+        worlds[world] = dict(shrunk_batch(total, micro, world), config=RunDir.world_config(world))
     files = {RunDir.SHRINK: json.dumps({"min_nodes": least, "nodes": [n.name for n in nodes],
                                         "slots": {n.name: n.slots for n in nodes},
-                                        "worlds": {str(w): dict(b, config=config_of(w))
-                                                   for w, b in sorted(worlds.items())}},
+                                        "worlds": {str(w): b for w, b in sorted(worlds.items())}},
                                        indent=2, sort_keys=True) + "\n"}
-    for world, sizes in worlds.items():
-        if world == full:
-            continue
-        files[RunDir.world_config(world)] = json.dumps(
-            dict(config, train_batch_size=sizes["train_batch"], train_micro_batch_size_per_gpu=sizes["micro_batch"],
-                 gradient_accumulation_steps=sizes["grad_accum"]), indent=2, sort_keys=True) + "\n"
+    for sizes in worlds.values():
+        if sizes["config"] != RunDir.DS_CONFIG:
+            files[sizes["config"]] = json.dumps(
+                dict(config, train_batch_size=sizes["train_batch"], train_micro_batch_size_per_gpu=sizes["micro_batch"],
+                     gradient_accumulation_steps=sizes["grad_accum"]), indent=2, sort_keys=True) + "\n"
     return files
+
+
+def smaller_worlds(slots, least):
+    """The world sizes of `least` or more of the nodes (their ranks: `slots`), but not all of
+    them: any may be lost, the master too (a resume then goes on with the next node as master).
+    Counted as (nodes, ranks) pairs one node at a time, so that many nodes cost no combinations."""
+    reached = {(0, 0)}
+    for ranks in slots:
+        reached |= {(count + 1, world + ranks) for count, world in reached}
+    return sorted({world for count, world in reached if least <= count < len(slots)} - {sum(slots)})
