@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import cluster as testcluster
+from dscnode import records
 from cluster import TINY, UNTIL_STOPPED, wait
 
 RUNS = "/opt/dscluster/runs"
@@ -202,6 +203,7 @@ def test_with_dsc_min_nodes_the_run_goes_on_without_a_stopped_node_and_takes_it_
         assert f"continued on 1 of 2 nodes after {master} was lost, from checkpoint {taken['checkpoint']}" in log
         assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{taken['checkpoint']} (step {taken['from_step']})" in log
         assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}", inventory=alone).returncode == 0
+        figures("node lost, taken back, master lost", said=[records.continued(r) for r in (record, back, taken)])
     finally:
         if down:
             start_again(cluster, down)
