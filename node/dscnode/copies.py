@@ -182,6 +182,18 @@ def held(save_dir):
     return {"tags": tags, "copies": copies}
 
 
+def survey(hosts, save_dir):
+    """{node: what it holds of the save directory (held)} for this node (hosts[0]) and every other
+    that answers; a node missing from it did not answer."""
+    held_by = {hosts[0]: held(save_dir)}
+    for host, said in on_others(hosts, "part-held", save_dir).items():
+        try:
+            held_by[host] = json.loads(said)
+        except ValueError:
+            pass
+    return held_by
+
+
 def helper(host, here, *args):
     """The node helper with args on `host`: this process's own where host is `here`, else through
     ssh as the training user (the cluster key's ssh config names each node's port)."""
@@ -309,12 +321,7 @@ def restore(run, hosts):
         checked(save_dir)
     except SystemExit:
         return
-    held_by = {hosts[0]: held(save_dir)}
-    for host, said in on_others(hosts, "part-held", save_dir).items():
-        try:
-            held_by[host] = json.loads(said)
-        except ValueError:
-            pass
+    held_by = survey(hosts, save_dir)
     if len(held_by) < len(hosts):
         return  # a node that does not answer: the attempt itself says so
     keeper = ring(hosts)

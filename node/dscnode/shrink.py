@@ -25,8 +25,7 @@ import sys
 import time
 
 from dscnode import complete
-from dscnode.copies import PARTS, checked, held, helper, part_files, relay, ring, saves, send_folder, unpack
-from dscnode.procs import on_others
+from dscnode.copies import PARTS, checked, helper, part_files, relay, ring, saves, send_folder, unpack
 from dscnode.records import continued
 from dscnode.rundir import RunDir, append_line, last_line, read_json, read_text, write_atomic
 
@@ -45,18 +44,6 @@ def settings(run):
     micro_batch, grad_accum, train_batch, exact, why}}}."""
     found = read_json(run / RunDir.SHRINK)
     return found if isinstance(found, dict) and found.get("min_nodes") else None
-
-
-def survey(hosts, save_dir):
-    """{node: what it holds of the save directory (copies.held)} for this node and every other
-    that answers; a node missing from it did not answer."""
-    held_by = {hosts[0]: held(save_dir)}
-    for host, said in on_others(hosts, "part-held", save_dir).items():
-        try:
-            held_by[host] = json.loads(said)
-        except ValueError:
-            pass
-    return held_by
 
 
 def lost_nodes(hosts, held_by, refused):
@@ -224,7 +211,7 @@ def regroup(run, cmd, source, nodes, held_by, env, lost_at=None):
     nodes the run ran on): the nodes of `source` not among them are lost (their parts taken from
     their copies), those not in `source` taken in again. The checkpoint converted (ds_to_universal)
     and installed on each of `nodes`, then the launch's command `cmd` for them (command_for).
-    Returns the command; raises Refused. `held_by`: what each node of `source` holds (survey)."""
+    Returns the command; raises Refused. `held_by`: what each node of `source` holds (copies.survey)."""
     found = settings(run) or {}
     lost, back = [n for n in source if n not in nodes], [n for n in nodes if n not in source]
     if len(nodes) < found.get("min_nodes", len(source)):

@@ -423,7 +423,7 @@ def go_on_fewer(run, cmd, hosts, refused, env):
     run cannot go on (said in the log: the restart then goes as it would have)."""
     if not shrink.settings(run):
         return None
-    held_by = shrink.survey(hosts, save_dir_of(run))
+    held_by = copies.survey(hosts, save_dir_of(run))
     lost = shrink.lost_nodes(hosts, held_by, refused)
     if not lost:
         return None
@@ -448,7 +448,7 @@ def start_on(run, cmd, hosts, env):
         return cmd if hosts == found.get("nodes") else shrink.command_for(run, cmd, hosts, env)[0]
     # this node first: the master, which may be another than the one the run last ran on (lost)
     asked = [hosts[0]] + [n for n in source if n != hosts[0]]
-    return shrink.regroup(run, cmd, source, hosts, shrink.survey(asked, save_dir_of(run)), env)
+    return shrink.regroup(run, cmd, source, hosts, copies.survey(asked, save_dir_of(run)), env)
 
 
 def run_steps(run):
