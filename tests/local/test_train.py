@@ -197,8 +197,8 @@ def test_cpu_offload_trains_on_a_pretokenized_array(tmp_path):
 
 @pytest.mark.parametrize("preset", ["zero1", "zero3", "zero2-offload"])
 def test_the_rank_the_others_wait_for_is_named_in_every_zero_stage(tmp_path, preset):
-    """A user's own loop through the entry shim, as a launch starts it: rank 1 computes 0.25 s longer
-    than rank 0 from step 20 of 40. Every window of 5 steps (DSC_RANK_WINDOW) global rank 0 writes
+    """A user's own loop through the entry shim, as a launch starts it: rank 1 computes 1 s longer
+    than rank 0 from step 16 of 32. Every window of 4 steps (DSC_RANK_WINDOW) global rank 0 writes
     both ranks' figures to ranks.jsonl: the four windows before the slowdown mark no rank, the
     windows after it (3 in a row at least) name rank 1 with rank 0 waiting for it, in ZeRO-1 (gradients all-reduced at
     the step), ZeRO-3 (parameters gathered asynchronously ahead of use, overlapping compute) and
@@ -209,27 +209,29 @@ def test_the_rank_the_others_wait_for_is_named_in_every_zero_stage(tmp_path, pre
         cfg["optimizer"]["params"].pop("torch_adam")  # DeepSpeed's CPU Adam, as the offload presets run it
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     launch(run, cfg, program=("dscnode", "entry", "--script", str(ROOT / "tests/fixtures/straggler.py"),
-                              "--steps", "40", "--slow-rank", "1", "--slow-from", "20", "--slow-s", "0.25"),
-           env={"DSC_RANK_WINDOW": "5"})
+                              "--steps", "32", "--slow-rank", "1", "--slow-from", "16", "--slow-s", "1"),
+           env={"DSC_RANK_WINDOW": "4"})
     windows = [json.loads(line) for line in (run / "ranks.jsonl").read_text().splitlines()]
-    assert [w["step"] for w in windows] == [5, 10, 15, 20, 25, 30, 35, 40], windows
+    assert [w["step"] for w in windows] == [4, 8, 12, 16, 20, 24, 28, 32], windows
     assert all(sorted(r["rank"] for r in w["ranks"]) == [0, 1] for w in windows)
     healthy, slowed = windows[:4], windows[4:]
     # a window alone may name a rank descheduled a while on this busy machine; 3 in a row do not
     # (judged on the windows alone: the seconds they must span, MIN_SPAN_S, are the unit tests')
     assert [stragglers.verdict(healthy[i:i + 3], min_span_s=0) for i in (0, 1)] == [None, None], healthy
     # the same tolerance after it: one window in which rank 1 was itself descheduled (its own wait
-    # then hides the others', as one CI run saw at step 25) leaves 3 in a row that name it
+    # then hides the others') leaves 3 in a row that name it. The second rank 1 sleeps outweighs
+    # that: at 0.25 s, with this tier at low priority beside the containers, a CI run saw steps of
+    # 1.5 s and two of four windows below the wait share the judgement needs
     judged = [stragglers.judge(w) for w in slowed]
     assert sum(bool(j) for j in judged) >= 3 and all(j["rank"] == 1 for j in judged if j), slowed
     marked = [stragglers.verdict(slowed[i:i + 3], min_span_s=0) for i in (0, 1)]
-    assert any(m and m["rank"] == 1 and m["since_step"] in (25, 30) for m in marked), slowed
+    assert any(m and m["rank"] == 1 and m["since_step"] in (20, 24) for m in marked), slowed
     for w in slowed:
         fast, slow = sorted(w["ranks"], key=lambda r: r["rank"])
-        # rank 1 sleeps 0.25 s a step in its compute, and rank 0 waits in its collectives longer
+        # rank 1 sleeps 1 s a step in its compute, and rank 0 waits in its collectives longer
         # than rank 1 does (by how much moves with this busy machine: a descheduled rank 1 waits
-        # too, and one run here saw 0.145 s of the 0.25; the judgement above is what counts)
-        assert slow["compute_s"] >= 0.2 and fast["comm_s"] > slow["comm_s"], w
+        # too; the judgement above is what counts)
+        assert slow["compute_s"] >= 0.8 and fast["comm_s"] > slow["comm_s"], w
         assert fast["calls"] >= 1 and slow["calls"] == fast["calls"], w
 
 
