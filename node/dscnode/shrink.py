@@ -1,5 +1,5 @@
 """Continuing on fewer nodes (launch's dsc_min_nodes): when an attempt fails and a node is lost (it
-does not answer, or its GPUs fail the gate), the master's supervisor drops it and restarts on the
+does not answer, its GPUs fail the gate, or its ranks were killed in two attempts in a row), the master's supervisor drops it and restarts on the
 others, as long as dsc_min_nodes of them remain:
 1. the checkpoint: the newest that every survivor holds complete and of which each lost node's
    part is kept on a survivor (dscnode.copies' ring);
@@ -46,11 +46,24 @@ def settings(run):
     return found if isinstance(found, dict) and found.get("min_nodes") else None
 
 
-def lost_nodes(hosts, held_by, refused):
-    """The nodes to drop: those that did not answer, and those whose GPUs failed the gate
-    (gpu_gate's "<node> GPU i: what" findings), in the hostfile's order."""
-    failed = {f.split(" ")[0] for f in refused}
+def lost_nodes(hosts, held_by, refused, causes=()):
+    """The nodes to drop: those that did not answer, those whose GPUs failed the gate
+    (gpu_gate's "<node> GPU i: what" findings), and the one whose ranks died (ranks_dead), in the
+    hostfile's order."""
+    failed = {f.split(" ")[0] for f in refused} | set(ranks_dead(causes))
     return [h for h in hosts if h not in held_by or h in failed]
+
+
+def ranks_dead(causes):
+    """The node whose ranks were killed by a signal (the kernel's out-of-memory killer, a bus
+    error, a segfault in a driver) first in the last two attempts both, the restart on every node
+    not having helped: [node], else []. `causes` are the supervisor's, an attempt's each (None
+    where it failed without one), oldest first. A rank that exits with an error is taken for the
+    script's, never the node's: every node would raise it alike; a GPU at fault is the gate's."""
+    last = [c for c in causes[-2:] if c]
+    if len(last) == 2 and all(c["kind"] == "signal" for c in last) and last[0]["node"] == last[1]["node"]:
+        return [last[0]["node"]]
+    return []
 
 
 def convertible(held_by, hosts, lost):

@@ -342,7 +342,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         print(f"[dsc_node] {describe(cause)}", flush=True)
         record_failure(run, cause, exit_code=1, teardown=False, restarts=restarts)
         finish(run, hosts, 1)
-    attempt = list(base)
+    attempt, causes = list(base), []  # causes: each attempt's, for a node whose ranks keep dying
     while True:
         # Where this attempt's output starts, taken before the spawn: its first failure line is
         # never missed, and status reads the latest attempt's error, not an earlier one's.
@@ -359,6 +359,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         seen = {}
         code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen, copier=copier)
+        causes.append(cause)
         if cause:
             record_failure(run, cause, exit_code=code, teardown=torn, restarts=restarts)
         if not (run / RunDir.STOPPED).exists():
@@ -388,9 +389,9 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
         if (run / RunDir.STOPPED).exists():
             break
         refused = gpu_gate(list(hosts), used_gpus or {})
-        fewer = go_on_fewer(run, cmd, list(hosts), refused, env)
+        fewer = go_on_fewer(run, cmd, list(hosts), refused, env, causes)
         if fewer:  # dsc_min_nodes: on without the lost nodes, from their checkpoint converted
-            (hosts, base), refused = fewer, []
+            (hosts, base), refused, causes = fewer, [], []
             copier = copies.Copier(run, hosts, keep_copies, logged_step=lambda: run_steps(run))
         if refused:  # no rank starts on a node whose GPU failed the gate
             cause = gate_cause(refused)
@@ -416,15 +417,16 @@ def save_dir_of(run):
     return recorded[-1]["save_dir"] if recorded else str(run.path)
 
 
-def go_on_fewer(run, cmd, hosts, refused, env):
+def go_on_fewer(run, cmd, hosts, refused, env, causes=()):
     """dsc_min_nodes, before a restart: (the survivors, the launch's command `cmd` for them) where
-    a node is lost (it does not answer, or the GPU gate refused it: `refused`) and the run may go
+    a node is lost (it does not answer, the GPU gate refused it: `refused`, or its ranks were
+    killed in the last two attempts: `causes`, each attempt's) and the run may go
     on without it (dscnode.shrink); None where no node is lost, dsc_min_nodes is not set or the
     run cannot go on (said in the log: the restart then goes as it would have)."""
     if not shrink.settings(run):
         return None
     held_by = copies.survey(hosts, save_dir_of(run))
-    lost = shrink.lost_nodes(hosts, held_by, refused)
+    lost = shrink.lost_nodes(hosts, held_by, refused, causes)
     if not lost:
         return None
     survivors = [h for h in hosts if h not in lost]

@@ -30,6 +30,23 @@ def test_a_node_that_does_not_answer_or_fails_the_gpu_gate_is_lost():
     assert shrink.lost_nodes(HOSTS, everyone, []) == []
 
 
+def test_a_node_whose_ranks_are_killed_in_two_attempts_in_a_row_is_lost_an_error_or_one_kill_is_not():
+    everyone = {h: held([]) for h in HOSTS}
+
+    def died(node, kind="signal"):
+        return {"node": node, "kind": kind, "code": -9 if kind == "signal" else 1}
+
+    assert shrink.lost_nodes(HOSTS, everyone, [], [died("node2"), died("node2")]) == ["node2"]
+    assert shrink.lost_nodes(HOSTS, everyone, [], [died("node3"), None, died("node2"), died("node2")]) == ["node2"]
+    # once: the restart on every node comes first; two nodes in turn: neither is the node's fault
+    assert shrink.lost_nodes(HOSTS, everyone, [], [died("node2")]) == []
+    assert shrink.lost_nodes(HOSTS, everyone, [], [died("node2"), died("node3")]) == []
+    assert shrink.lost_nodes(HOSTS, everyone, [], [died("node2"), None]) == []
+    # a rank's error is the script's, raised on any node alike; a lost connection is the survey's
+    assert shrink.lost_nodes(HOSTS, everyone, [], [died("node1", "exit"), died("node1", "exit")]) == []
+    assert shrink.lost_nodes(HOSTS, everyone, [], [died("node2", "lost"), died("node2", "lost")]) == []
+
+
 def test_the_checkpoint_taken_is_the_newest_the_survivors_hold_with_the_lost_part_kept_on_one_of_them():
     # node2 is lost; its keeper in the ring is node3
     by = {"node1": held(["s5", "s10", "s15"]),
