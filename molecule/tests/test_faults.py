@@ -131,9 +131,9 @@ def test_with_dsc_min_nodes_the_run_goes_on_without_a_stopped_node_and_takes_it_
     worker's part from its copy on the master) with ds_to_universal, and the run goes on on the
     master alone from it, at the same global batch (twice the gradient accumulation); status.yml
     says so. The worker back, a resume takes it in again: the master's newest checkpoint converted
-    for two ranks, and both nodes train on. Then the master stopped: resume.yml with an inventory
-    of the worker alone goes on there, the worker the master now, from the newest checkpoint with
-    the lost master's part from its copy on the worker. (Without dsc_min_nodes the run fails:
+    for two ranks, and both nodes train on. Then the master stopped: resume.yml, the inventory
+    unchanged, goes on on the worker, the master now, from the newest checkpoint with the lost
+    master's part from its copy on the worker. (Without dsc_min_nodes the run fails:
     test_dead_worker_ends_the_run_on_the_master.)"""
     run_id, worker, master = "f-fewer", cluster.names[1], cluster.master
     down = None
@@ -188,12 +188,12 @@ def test_with_dsc_min_nodes_the_run_goes_on_without_a_stopped_node_and_takes_it_
              "a checkpoint of both nodes kept on both again")
         down = master
         subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + master], check=True, capture_output=True)
-        alone = tmp_path / "worker-alone"
-        testcluster.write_inventory([h for h in cluster.info["hosts"] if h["name"] == worker], inv=alone)
-        # its ranks wait in a collective for the master's: stopped first, as after any lost master
-        assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}", inventory=alone).returncode == 0
-        moved = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "preflight=false", inventory=alone)
+        # resume.yml with the same inventory: the master does not answer, the run goes on on the
+        # worker (its ranks, still waiting in a collective for the master's, stopped first)
+        moved = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "preflight=false")
         assert moved.returncode == 0, moved.output[-4000:]
+        assert (f"{master} does not answer: run {run_id} resumes on {worker}, {worker} its master (its "
+                f"dsc_min_nodes is 1)") in moved.output, moved.output[-4000:]
         taken = wait(lambda: (r := json.loads(cluster.exec(worker, f"tail -1 {RUNS}/{run_id}/shrinks.jsonl 2>/dev/null "
                                                                    "|| echo {}").stdout)).get("lost") and r,
                      300, "the run to go on on the worker")
@@ -202,6 +202,8 @@ def test_with_dsc_min_nodes_the_run_goes_on_without_a_stopped_node_and_takes_it_
         log = cluster.exec(worker, f"cat {RUNS}/{run_id}/launcher.log").stdout
         assert f"continued on 1 of 2 nodes after {master} was lost, from checkpoint {taken['checkpoint']}" in log
         assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{taken['checkpoint']} (step {taken['from_step']})" in log
+        alone = tmp_path / "worker-alone"  # stop.yml needs every node of its inventory to answer
+        testcluster.write_inventory([h for h in cluster.info["hosts"] if h["name"] == worker], inv=alone)
         assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}", inventory=alone).returncode == 0
         figures("node lost, taken back, master lost", said=[records.continued(r) for r in (record, back, taken)])
     finally:

@@ -336,7 +336,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
     stall = dict(stall or {}, ras=any((used_gpus or {}).values()))  # on GPU nodes a stall asks NCCL's RAS too
     copier = copies.Copier(run, hosts, keep_copies, logged_step=lambda: run_steps(run))
     try:  # dsc_min_nodes: a run that went on on fewer nodes, launched again on others
-        base = start_on(run, base, list(hosts), env)
+        base = start_on(run, run_id, base, list(hosts), env)
     except (shrink.Refused, SystemExit, OSError) as e:
         cause = {"kind": "nodes", "node": hosts[0], "nodes": list(hosts), "why": str(e)}
         print(f"[dsc_node] {describe(cause)}", flush=True)
@@ -437,17 +437,20 @@ def go_on_fewer(run, cmd, hosts, refused, env, causes=()):
         return None
 
 
-def start_on(run, cmd, hosts, env):
+def start_on(run, run_id, cmd, hosts, env):
     """dsc_min_nodes, at a launch or resume: the command for `hosts`, where the run last ran on
-    other nodes (it went on on fewer, and a node is back or left out of the inventory): the
-    newest checkpoint those saved converted for `hosts` first (dscnode.shrink.regroup). The
-    launch's command `cmd` as it is where nothing changed; raises shrink.Refused."""
+    other nodes (it went on on fewer, a node is back, or one is left out: out of the inventory or
+    not answering resume.yml): the newest checkpoint those saved converted for `hosts` first
+    (dscnode.shrink.regroup), once no rank of the run is left on them (after a lost master its
+    ranks elsewhere still wait in a collective). The launch's command `cmd` as it is where
+    nothing changed; raises shrink.Refused."""
     found = shrink.settings(run)
     if not found:
         return cmd
     source = shrink.ran_on(run, found.get("nodes") or hosts)
     if source == hosts:
         return cmd if hosts == found.get("nodes") else shrink.command_for(run, cmd, hosts, env)[0]
+    teardown(run_id, hosts)
     # this node first: the master, which may be another than the one the run last ran on (lost)
     asked = [hosts[0]] + [n for n in source if n != hosts[0]]
     return shrink.regroup(run, cmd, source, hosts, copies.survey(asked, save_dir_of(run)), env)

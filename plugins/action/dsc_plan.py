@@ -73,12 +73,17 @@ class ActionModule(ActionBase):
         if refused:
             return failed(result, [refused])
         inventory, variables, probes, unreachable, unprobed = self._nodes(names, hostvars, args["probe_var"])
-        # status.yml shows an unreachable node as such; everything else needs every node.
-        allow_unreachable = dscplan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
-        if unreachable and not allow_unreachable:
-            return failed(result, unreachable)
         options = {k: plain(self._templar.template(task_vars[k]))
                    for k in dscplan.RUN_OPTIONS if k in task_vars}
+        # status.yml shows an unreachable node as such, and a resume of a run launched with
+        # dsc_min_nodes goes on without it; everything else needs every node.
+        allow_unreachable = dscplan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
+        went_on = None
+        if unreachable and not allow_unreachable:
+            left, went_on = dscplan.resume_without(names, list(unprobed), probes, options)
+            if not left:
+                return failed(result, unreachable + ([went_on] if went_on else []))
+            groups = dict(groups, **{dscplan.CLUSTER_GROUP: left})
         # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported
         # by preflight itself), false (status, stop, logs: only which run).
         run_kind = self._templar.template(args.get("run", False))
@@ -93,6 +98,8 @@ class ActionModule(ActionBase):
             probe_errors=unprobed)
         if errors:
             return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
+        if went_on:
+            plan["notes"] = [went_on, *plan.get("notes", [])]
         result.update(plan)
         result["changed"] = False
         return result

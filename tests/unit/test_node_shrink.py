@@ -188,8 +188,8 @@ def test_a_resume_on_the_nodes_the_run_last_went_on_with_takes_their_command(tmp
     (tmp_path / RunDir.DS_ENV).write_text("PATH=/env/bin\n")
     cmd = ["/env/bin/deepspeed", "--hostfile", "h", "/h", "entry", "--deepspeed_config", f"{tmp_path}/ds_config.json"]
     env = {}
-    assert supervisor.start_on(run, cmd, ["node1", "node2"], env) == cmd and env == {}  # as launched
+    assert supervisor.start_on(run, "r-fewer", cmd, ["node1", "node2"], env) == cmd and env == {}  # as launched
     (tmp_path / RunDir.SHRINKS).write_text(json.dumps({"lost": ["node2"], "nodes": ["node1"], "of": 2}) + "\n")
-    assert supervisor.start_on(run, cmd, ["node1"], env) == [
+    assert supervisor.start_on(run, "r-fewer", cmd, ["node1"], env) == [
         "/env/bin/deepspeed", "--exclude", "node2", "--hostfile", "h", "/h", "entry", "--deepspeed_config",
         f"{tmp_path}/ds_config.world1.json"]

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from dscplan.shrink import shrunk_batch, smaller_worlds
-from tests.unit.plan_helpers import plan
+import dscplan
+from dscplan.shrink import resume_without, shrunk_batch, smaller_worlds
+from tests.unit.plan_helpers import DEFAULTS, PATHS, cluster, plan
 
 GO_ON = {"preset": "zero2", "dsc_micro_batch": 4, "dsc_grad_accum": 2, "max_restarts": 2}
 
@@ -87,3 +88,35 @@ def test_a_count_outside_the_cluster_is_refused(value):
 def test_a_run_that_could_not_go_on_is_refused_at_launch_naming_why_and_the_fix(options, settings, needle):
     p, errors = plan(3, options=dict(GO_ON, dsc_min_nodes=2, **options), full_run=True, **settings)
     assert p is None and any(e.startswith("dsc_min_nodes=2: ") and needle in e for e in errors), errors
+
+
+def test_a_resume_with_a_node_that_does_not_answer_goes_on_on_the_others_as_dsc_min_nodes_allows():
+    """resume.yml with node1, the master, not answering (its probe gave no report): the run's
+    launch spec, read on node2, says dsc_min_nodes 1, so the plan is made for node2 and node3
+    (node2 the master) and says so; at dsc_min_nodes 3, or for a run launched without it, or a
+    launch, the unreachable node stays refused as before."""
+    hostvars, groups, probes = cluster(3)
+    stopped = {"id": "r1", "mtime": 1, "started": True, "active": False,
+               "launch": dict(GO_ON, dsc_min_nodes=1)}
+    for node in ("node2", "node3"):
+        probes[node]["runs"] = [stopped]
+    del probes["node1"]
+    names = groups["cluster"]
+    left, note = resume_without(names, ["node1"], probes, {"resume": True})
+    assert left == ["node2", "node3"] and note == (
+        "node1 does not answer: run r1 resumes on node2, node3, node2 its master (its dsc_min_nodes is 1), "
+        "from its newest checkpoint converted for them.")
+    p, errors = dscplan.make_plan(hostvars, {"cluster": left}, probes, DEFAULTS, PATHS, {"resume": True},
+                                  full_run=True)
+    assert errors == [] and p["master"] == "node2" and p["run"]["id"] == "r1"
+    assert [n["name"] for n in p["nodes"]] == ["node2", "node3"] and p["world_size"] == 4
+
+    assert resume_without(names, ["node1"], probes, {}) == (None, "")  # a launch
+    for node in ("node2", "node3"):
+        probes[node]["runs"] = [dict(stopped, launch=dict(GO_ON, dsc_min_nodes=3))]
+    assert resume_without(names, ["node1"], probes, {"resume": True, "run_id": "r1"}) == (
+        None, "run r1 goes on with at least 3 node(s) (its dsc_min_nodes), and 2 answer: node2, node3. "
+              "Fix: bring a node back first.")
+    for node in ("node2", "node3"):
+        probes[node]["runs"] = [dict(stopped, launch=dict(GO_ON))]
+    assert resume_without(names, ["node1"], probes, {"resume": True}) == (None, "")

@@ -43,11 +43,12 @@ from .settings import check_settings, cluster_settings, secret_names
 from .paths import data_dir, root_path_problems
 from .network import ip_network, ssh_source
 from .hygiene import control_characters, literal_extra_vars, templates_in
+from .shrink import resume_without
 from .slurm import slurm_plan, slurm_problems
 from .topology import firewall_backends, node_records, network_env, node_order, training_address
 
 # What the action plugin, the filters, the tests and bench/ use: make_plan and the names below.
-__all__ = ["PROBE_SETTINGS", "probe_arguments", "ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
+__all__ = ["PROBE_SETTINGS", "probe_arguments", "ssh_source", "as_bool", "batch", "CLUSTER_SETTINGS", "code_archive", "CompanionPlan", "declared_settings", "ds_config", "existing_owner", "ip_network", "JSON_ONLY", "LAUNCH_ONLY", "literal_extra_vars", "load_defaults", "make_plan", "node_helper", "node_order", "NODE_SETTINGS", "parse_ds_env", "parse_hostfile", "Plan", "PLAN_FIELDS_NOT_READ_BY_ROLES", "PLAYBOOK_INPUTS", "precision", "presets", "read_pins", "resume_without", "RETIRED_SETTINGS", "root_path_problems", "RUN_OPTIONS", "SECRET_SETTINGS", "secrets_path", "SETTING_PREFIXES", "templates_in", "TOOLKIT_VARIABLES", "TORCH_INDEXES"]
 
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -9,6 +9,7 @@ import json
 from dscnode.rundir import RunDir
 
 from .problems import as_bool, is_int
+from .record import runs_seen
 
 
 def shrunk_batch(total, micro, world):
@@ -90,3 +91,27 @@ def smaller_worlds(slots, least):
     for ranks in slots:
         reached |= {(count + 1, world + ranks) for count, world in reached}
     return sorted({world for count, world in reached if least <= count < len(slots)} - {sum(slots)})
+
+
+def resume_without(names, lost, probes, options):
+    """resume.yml where nodes do not answer (`lost`, of the inventory's `names`): (the nodes to
+    resume the run on, in the inventory's order, the first of them its master now; a note saying
+    so) where the run was launched with dsc_min_nodes and that many answer; else (None, why it
+    cannot go on without them, or "" where it is no such resume). The run and its launch spec are
+    read from the first node that answers (every node holds the run's files); the master's
+    supervisor then converts the newest checkpoint for those nodes (dscnode.shrink.regroup)."""
+    left = [n for n in names if n not in lost]
+    if not (lost and left and as_bool(options.get("resume"))):
+        return None, ""
+    seen = runs_seen(probes.get(left[0]))
+    run_id = str(options.get("run_id") or "") or (seen[0].id if seen else "")
+    least = next((r.launch or {} for r in seen if r.id == run_id), {}).get("dsc_min_nodes")
+    if not is_int(least) or int(least) < 1:
+        return None, ""
+    least = int(least)
+    if len(left) < least:
+        return None, (f"run {run_id} goes on with at least {least} node(s) (its dsc_min_nodes), and "
+                      f"{len(left)} answer: {', '.join(left)}. Fix: bring a node back first.")
+    return left, (f"{', '.join(lost)} {'does' if len(lost) == 1 else 'do'} not answer: run {run_id} "
+                  f"resumes on {', '.join(left)}, {left[0]} its master (its dsc_min_nodes is "
+                  f"{least}), from its newest checkpoint converted for them.")
