@@ -408,11 +408,29 @@ FACTS = STATE / "facts"
 class Cluster:
     """The running test cluster, as tests and benchmarks drive it."""
 
-    def __init__(self, info):
+    def __init__(self, info, inventory=STATE / "inventory", known_hosts=STATE / "known_hosts"):
+        """`info`'s hosts, reached through `inventory` (extra_nodes' for more nodes beside the
+        cluster: its inventory and known_hosts)."""
         self.info = info
-        self.inventory = STATE / "inventory"
+        self.inventory, self.known_hosts = inventory, known_hosts
         self.names = [h["name"] for h in info["hosts"]]
         self.master = self.names[0]
+
+    def start_again(self, node):
+        """A node stopped with podman stop started again, and the master reaching every other
+        node over ssh as the training user again."""
+        subprocess.run(["podman", "start", PREFIX + node], check=False, capture_output=True)
+        host = next(h for h in self.info["hosts"] if h["name"] == node)
+        wait_ssh([host], known_hosts=self.known_hosts)
+        # The others' neighbour caches still hold the old interface's address: forgotten now, the
+        # next packet asks again.
+        for other in self.names:
+            if other != node:
+                self.exec(other, f"ip neigh flush to {host['ip']}", check=False)
+        for other in self.names[1:]:
+            wait(lambda o=other: self.exec(self.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {o} true'",
+                                           check=False).returncode == 0, 120, f"ssh from the master to {other} again",
+                 every=2)
 
     def playbook(self, name, *args, timeout=1800, env=None, inventory=None):
         """ansible-playbook with the project's ansible.cfg against the cluster's inventory (or

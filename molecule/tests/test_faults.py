@@ -82,134 +82,13 @@ def test_dead_worker_ends_the_run_on_the_master(provisioned, cluster, figures):
             shown.output[-3000:]
         assert f"{worker}: unreachable" in shown.output, shown.output[-3000:]
     finally:
-        start_again(cluster, worker)
+        cluster.start_again(worker)
         # The node is back as after a reboot: its firewall loaded from its files by ufw's boot
         # script (the container's start, molecule/cluster.py), the same rules as before (nothing
         # on disk was lost), and nothing of the run survived on it.
         assert cluster.exec(worker, "ufw status verbose").stdout == firewall, firewall
         # Nothing of the run on any node: no stop.yml needed after this.
         assert nothing_left(cluster, cluster.names, run_id)
-
-
-def start_again(cluster, node):
-    """A node stopped with podman stop started again, and the master reaching every other node
-    over ssh as the training user again."""
-    subprocess.run(["podman", "start", testcluster.PREFIX + node], check=False, capture_output=True)
-    host = next(h for h in cluster.info["hosts"] if h["name"] == node)
-    testcluster.wait_ssh([host])
-    # The others' neighbour caches still hold the old interface's address: forgotten now, the
-    # next packet asks again.
-    for other in cluster.names:
-        if other != node:
-            cluster.exec(other, f"ip neigh flush to {host['ip']}", check=False)
-    for other in cluster.names[1:]:
-        wait(lambda o=other: cluster.exec(cluster.master, f"su dstrain -c 'ssh -o ConnectTimeout=3 {o} true'",
-                                          check=False).returncode == 0, 120, f"ssh from the master to {other} again",
-             every=2)
-
-
-def step_after(cluster, node, run_id, since):
-    """The run's first step logged on `node` (train.run's metrics, global rank 0's node) after the
-    time `since`, once there is one."""
-    def first():
-        lines = cluster.exec(node, f"cat {RUNS}/{run_id}/metrics.jsonl 2>/dev/null || true").stdout.splitlines()
-        return next((m for m in map(json.loads, lines) if m["time"] > since), None)
-    return wait(first, 300, f"a step of {run_id} on {node}")
-
-
-def kept_on_both(cluster, run_id):
-    """The newest checkpoint whose parts the master's supervisor kept on the other node each way."""
-    lines = cluster.exec(cluster.master, f"cat {RUNS}/{run_id}/copies.jsonl 2>/dev/null || true").stdout.splitlines()
-    both = [c for c in map(json.loads, lines) if len(c["kept"]) == 2 and not c["failed"]]
-    return both[-1] if both else None
-
-
-def test_with_dsc_min_nodes_the_run_goes_on_without_a_stopped_node_and_takes_it_in_again(provisioned, cluster,
-                                                                                        figures, tmp_path):
-    """dsc_min_nodes=1: the worker stopped with podman stop once a checkpoint's parts are kept on
-    both nodes. At the restart the master's supervisor drops it, converts that checkpoint (the
-    worker's part from its copy on the master) with ds_to_universal, and the run goes on on the
-    master alone from it, at the same global batch (twice the gradient accumulation); status.yml
-    says so. The worker back, a resume takes it in again: the master's newest checkpoint converted
-    for two ranks, and both nodes train on. Then the master stopped: resume.yml, the inventory
-    unchanged, goes on on the worker, the master now, from the newest checkpoint with the lost
-    master's part from its copy on the worker. (Without dsc_min_nodes the run fails:
-    test_dead_worker_ends_the_run_on_the_master.)"""
-    run_id, worker, master = "f-fewer", cluster.names[1], cluster.master
-    down = None
-    try:
-        # a save every 2 s or so; a copy of one takes about 1 s, so about every 5th is copied (the
-        # copier's pace: a tenth of the time), and retention keeps the last 20: a copied one stays
-        launch(cluster, run_id, dict(UNTIL_STOPPED, save_every=20, keep_checkpoints=20), "-e", "max_restarts=1",
-               "-e", "restart_backoff_s=1", "-e", "dsc_min_nodes=1")
-        wait(lambda: kept_on_both(cluster, run_id), 240, "a checkpoint's parts kept on both nodes")
-        lost_at, down = time.time(), worker
-        subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + worker], check=True, capture_output=True)
-        went_on = wait(lambda: cluster.exec(master, f"cat {RUNS}/{run_id}/shrinks.jsonl 2>/dev/null || true").stdout,
-                       300, "the run to go on without the worker")
-        record = json.loads(went_on.splitlines()[-1])
-        launched = json.loads(cluster.exec(master, f"cat {RUNS}/{run_id}/ds_config.json").stdout)
-        assert (record["lost"], record["nodes"], record["world"], record["train_batch"], record["grad_accum"],
-                record["exact"]) == ([worker], [master], 1, launched["train_batch_size"],
-                                     2 * launched["gradient_accumulation_steps"], True), record
-        first = step_after(cluster, master, run_id, record["time"])
-        assert first["step"] == record["from_step"] + 1, (first, record)
-        log = cluster.exec(master, f"cat {RUNS}/{run_id}/launcher.log").stdout
-        tag = record["checkpoint"]
-        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{tag} (step {record['from_step']})" in log, log[-3000:]
-        mark = json.loads(cluster.exec(master, f"cat {RUNS}/{run_id}/checkpoints/{tag}/dsc_universal").stdout)
-        assert (mark["lost"], mark["from"], mark["to"]) == ([worker], cluster.names, [master]), mark
-        converted = [x for x in log.splitlines() if f"checkpoint {tag} converted for 1 ranks" in x]
-        figures("node lost, went on", seconds_to_next_step=round(first["time"] - lost_at, 1),
-                checkpoint=tag, lost_at_step=record["at_step"], converted=converted[-1][len("[dsc_node] "):])
-        shown = cluster.playbook("status.yml", "-e", f"run_id={run_id}")
-        assert (f"continued on 1 of 2 nodes after {worker} was lost at step {record['at_step']}, from "
-                f"checkpoint {tag}") in shown.output, shown.output[-3000:]
-        assert f"run {run_id}: running" in shown.output and f"{worker}: unreachable" in shown.output
-
-        start_again(cluster, worker)
-        down = None
-        assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}").returncode == 0
-        alone = json.loads(cluster.exec(master, f"tail -1 {RUNS}/{run_id}/metrics.jsonl").stdout)["step"]
-        again = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "preflight=false")
-        assert again.returncode == 0, again.output[-4000:]
-        back = wait(lambda: (r := json.loads(cluster.exec(master, f"tail -1 {RUNS}/{run_id}/shrinks.jsonl").stdout))
-                    .get("back") and r, 300, "the worker taken in again")
-        assert (back["lost"], back["nodes"], back["world"], back["grad_accum"]) == (
-            [], cluster.names, 2, launched["gradient_accumulation_steps"]), back
-        assert back["from_step"] <= alone, (back, alone)
-        assert wait(lambda: cluster.rank_pids(worker, run_id), 120, "a rank on the worker again")
-        assert step_after(cluster, master, run_id, back["time"])["step"] == back["from_step"] + 1
-        log = cluster.exec(master, f"cat {RUNS}/{run_id}/launcher.log").stdout
-        assert f"continued on 2 of 2 nodes with {worker} taken in again, from checkpoint {back['checkpoint']}" in log
-        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{back['checkpoint']} (step {back['from_step']})" in log
-
-        wait(lambda: (k := kept_on_both(cluster, run_id)) and k["time"] > back["time"], 240,
-             "a checkpoint of both nodes kept on both again")
-        down = master
-        subprocess.run(["podman", "stop", "-t", "0", testcluster.PREFIX + master], check=True, capture_output=True)
-        # resume.yml with the same inventory: the master does not answer, the run goes on on the
-        # worker (its ranks, still waiting in a collective for the master's, stopped first)
-        moved = cluster.playbook("resume.yml", "-e", f"run_id={run_id}", "-e", "preflight=false")
-        assert moved.returncode == 0, moved.output[-4000:]
-        assert (f"{master} does not answer: run {run_id} resumes on {worker}, {worker} its master (its "
-                f"dsc_min_nodes is 1)") in moved.output, moved.output[-4000:]
-        taken = wait(lambda: (r := json.loads(cluster.exec(worker, f"tail -1 {RUNS}/{run_id}/shrinks.jsonl 2>/dev/null "
-                                                                   "|| echo {}").stdout)).get("lost") and r,
-                     300, "the run to go on on the worker")
-        assert (taken["lost"], taken["nodes"], taken["world"]) == ([master], [worker], 1), taken
-        assert step_after(cluster, worker, run_id, taken["time"])["step"] == taken["from_step"] + 1
-        log = cluster.exec(worker, f"cat {RUNS}/{run_id}/launcher.log").stdout
-        assert f"continued on 1 of 2 nodes after {master} was lost, from checkpoint {taken['checkpoint']}" in log
-        assert f"resume: loaded {RUNS}/{run_id}/checkpoints/{taken['checkpoint']} (step {taken['from_step']})" in log
-        alone = tmp_path / "worker-alone"  # stop.yml needs every node of its inventory to answer
-        testcluster.write_inventory([h for h in cluster.info["hosts"] if h["name"] == worker], inv=alone)
-        assert cluster.playbook("stop.yml", "-e", f"run_id={run_id}", inventory=alone).returncode == 0
-        figures("node lost, taken back, master lost", said=[records.continued(r) for r in (record, back, taken)])
-    finally:
-        if down:
-            start_again(cluster, down)
-        cluster.playbook("stop.yml", "-e", f"run_id={run_id}")
 
 
 def test_a_run_survives_a_dropped_connection_and_its_replacement_stopped_mid_checkpoint_resumes(provisioned, cluster,

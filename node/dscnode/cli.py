@@ -44,6 +44,7 @@ built file). Every command prints one JSON object.
                                                # every rank's Python stack here (as the training
                                                # user), saved in RUN_DIR/stacks/
     dsc_node.pyz write-exit RUN_DIR CODE       # the run's exit code, recorded on a worker
+    dsc_node.pyz write-shrink RUN_DIR RECORD   # a regroup (shrinks.jsonl's line), recorded on a worker
     dsc_node.pyz files RUN_DIR                 # the run's files but code and checkpoints (logs.yml)
     dsc_node.pyz log RUN_DIR RUN_ID [--lines N] [--hosts H1,H2] [--wait S]
                                                # the log's last N lines per node, its raw tail, the state
@@ -196,6 +197,9 @@ def parser():
     p = action("write-exit", _write_exit, "the run's exit code, recorded on a worker")
     p.add_argument("run_dir")
     p.add_argument("code", type=int)
+    p = action("write-shrink", _write_shrink, "a regroup of the run (dsc_min_nodes), recorded on a node it goes on with")
+    p.add_argument("run_dir")
+    p.add_argument("record", help="the master's line of shrinks.jsonl")
     p = action("files", _files, "the run's files but its code and checkpoints")
     p.add_argument("run_dir")
     p = action("log", _log, "the log's last lines per node, its raw tail, the state")
@@ -334,6 +338,15 @@ def _write_exit(a):
     from dscnode.rundir import RunDir, write_atomic
     if os.path.isdir(a.run_dir):
         write_atomic(RunDir(a.run_dir) / RunDir.EXIT, f"{a.code}\n")
+
+
+def _write_shrink(a):
+    """The master's record of a regroup, on the other nodes it goes on with: whichever of them is
+    the master at a later resume knows which nodes the run last ran on (dscnode.shrink.ran_on)."""
+    from dscnode.rundir import RunDir, append_line
+    record = json.loads(a.record)
+    if os.path.isdir(a.run_dir) and isinstance(record, dict) and isinstance(record.get("nodes"), list):
+        append_line(RunDir(a.run_dir) / RunDir.SHRINKS, json.dumps(record))
 
 
 def _files(a):

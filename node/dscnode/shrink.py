@@ -26,6 +26,7 @@ import time
 
 from dscnode import complete
 from dscnode.copies import PARTS, checked, helper, part_files, relay, ring, saves, send_folder, unpack
+from dscnode.procs import on_others
 from dscnode.records import continued
 from dscnode.rundir import RunDir, append_line, last_line, read_json, read_text, write_atomic
 
@@ -261,6 +262,7 @@ def regroup(run, cmd, source, nodes, held_by, env, lost_at=None):
               "of": len(found.get("nodes") or source), "at_step": lost_at, "checkpoint": tag, "from_step": step,
               **{k: batch.get(k) for k in ("world", "micro_batch", "grad_accum", "train_batch", "exact", "why")}}
     append_line(run / RunDir.SHRINKS, json.dumps(record))
+    on_others(nodes, "write-shrink", str(run.path), json.dumps(record))  # a later master reads it there
     print(f"[dsc_node] {continued(record)}", flush=True)
     return command
 

@@ -127,24 +127,24 @@ def test_resume_follows_the_uninterrupted_trajectory(tmp_path):
 
 
 def test_a_checkpoint_converted_to_universal_goes_on_at_half_the_ranks_on_the_same_trajectory(tmp_path):
-    """What dsc_min_nodes does at the restart that drops a lost node, on this machine: a ZeRO-3
+    """What dsc_min_nodes does at the restart that drops a lost node, on this machine: a ZeRO-2
     run of 2 ranks through the entry shim saves at step 6 and trains on to 10; its step-6
     checkpoint, converted (dscnode.shrink.convert: DeepSpeed's ds_to_universal) and installed as
     the tag folder (marked universal), resumes on 1 rank at twice the gradient accumulation (the
     same global batch, and the same samples at each step: train/data.py). The shim loads it with
-    DeepSpeed's load_universal, and steps 7-10 follow the 2-rank run's losses. (ZeRO-2 continues
-    on fewer nodes in the container tier, molecule/tests/test_faults.py.)"""
+    DeepSpeed's load_universal, and steps 7-10 follow the 2-rank run's losses. (ZeRO-3 continues
+    on fewer nodes in the container tier, molecule/tests/test_fewer_nodes.py.)"""
     common = ["steps=10", "save_every=6", "vocab_size=512", "seq_len=64", "lr=0.002"]
     shim = ("dscnode", "entry", "--module", "train.run")
     whole, fewer = tmp_path / "whole", tmp_path / "fewer"
-    launch(whole, ds(3), *common, program=shim)
+    launch(whole, ds(2), *common, program=shim)
     save_dir = fewer / "checkpoints"
     converted = save_dir / shrink.STAGE / "step6"
     seconds = shrink.convert(str(VENV / "bin" / "python"), str(whole / "checkpoints" / "step6"), str(converted),
                              {"tag": "step6", "lost": ["rank 1"]})
     shrink.install(str(save_dir), "step6", str(converted))
     assert (save_dir / "step6" / "COMPLETE").exists() and seconds > 0
-    r = launch(fewer, ds(3, gradient_accumulation_steps=2), *common, program=shim, ranks=1, resume=True)
+    r = launch(fewer, ds(2, gradient_accumulation_steps=2), *common, program=shim, ranks=1, resume=True)
     assert f"resume: loaded {save_dir}/step6 (step 6)" in r.stdout, r.stdout[-3000:]
     a = {m["step"]: m["loss"] for m in metrics(whole)}
     b = {m["step"]: m["loss"] for m in metrics(fewer)}

@@ -5,6 +5,7 @@ conversion itself (DeepSpeed's ds_to_universal) and the loss after loading are t
 (tests/local/test_train.py); the whole restart on a cluster is the container tier's
 (molecule/tests/test_faults.py)."""
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -193,3 +194,19 @@ def test_a_resume_on_the_nodes_the_run_last_went_on_with_takes_their_command(tmp
     assert supervisor.start_on(run, "r-fewer", cmd, ["node1"], env) == [
         "/env/bin/deepspeed", "--exclude", "node2", "--hostfile", "h", "/h", "entry", "--deepspeed_config",
         f"{tmp_path}/ds_config.world1.json"]
+
+
+def test_a_regroup_recorded_on_a_worker_tells_it_as_a_later_master_where_the_run_last_ran(tmp_path):
+    """The master's supervisor sends its shrinks.jsonl line to the other nodes it goes on with
+    (write-shrink, through pdsh): a resume after that master is lost reads there which nodes the
+    run ran on last, not the launch's. A line that is not a regroup's record is not kept."""
+    run = RunDir(tmp_path)
+    assert shrink.ran_on(run, HOSTS) == HOSTS
+    record = {"lost": ["node2"], "back": [], "nodes": ["node1", "node3"], "of": 3, "checkpoint": "s10"}
+    written = subprocess.run([sys.executable, str(HELPER), "write-shrink", str(tmp_path), json.dumps(record)],
+                             capture_output=True, text=True)
+    assert written.returncode == 0, written.stderr
+    assert shrink.ran_on(run, HOSTS) == ["node1", "node3"]
+    for bad in ('["node1"]', '{"nodes": "node1"}'):
+        subprocess.run([sys.executable, str(HELPER), "write-shrink", str(tmp_path), bad], capture_output=True)
+    assert (tmp_path / RunDir.SHRINKS).read_text().splitlines() == [json.dumps(record)]

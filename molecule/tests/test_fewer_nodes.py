@@ -1,0 +1,155 @@
+"""dsc_min_nodes on three more nodes of the test network, started from the provisioned image (the
+main cluster's network, control key and image) and made one cluster by `provision.yml --tags
+network`: a ZeRO-3 run goes on on two nodes when one is stopped with podman stop, takes it in
+again at a resume, and goes on on the other two at resume.yml when the master is stopped. A file
+of its own: its nodes beside the cluster's, on whichever worker is free. (ZeRO-2's conversion,
+and the losses after it against an uninterrupted run's: tests/local/test_train.py; without
+dsc_min_nodes a lost node fails the run: test_faults.py's dead worker.)"""
+import json
+import subprocess
+import time
+
+import pytest
+
+import cluster as tc
+from dscnode import records
+from cluster import TINY, UNTIL_STOPPED, wait
+
+NODES = [{"name": f"few{i}", "ip": tc.addr(60 + i), "ip6": tc.addr6(60 + i), "port": 22} for i in (1, 2, 3)]
+RUNS = tc.RUNS
+RUN = "few-1"
+
+
+@pytest.fixture(scope="module")
+def three(cluster, node_image, tmp_path_factory):
+    """The three nodes as a cluster of their own: their names, SSH trust and firewall."""
+    where = tmp_path_factory.mktemp("fewer")
+    with tc.extra_nodes(NODES, where, lambda c, h: tc.start(c, h["name"], h["ip"], h["ip6"], 22, node_image[0])) as inventory:
+        nodes = tc.Cluster({"hosts": NODES}, inventory=inventory, known_hosts=where / "known_hosts")
+        r = nodes.playbook("provision.yml", "--tags", "network")
+        assert r.returncode == 0, r.output[-5000:]
+        yield nodes
+
+
+def last(nodes, node, name):
+    """The last line of a file of the run on `node`, parsed ({} while there is none)."""
+    return json.loads(nodes.exec(node, f"tail -1 {RUNS}/{RUN}/{name} 2>/dev/null || true").stdout or "{}")
+
+
+def regrouped(nodes, node, since):
+    """The run's regroup recorded on `node` after the time `since`, once there is one."""
+    return wait(lambda: (r := last(nodes, node, "shrinks.jsonl")).get("time", 0) > since and r, 300,
+                f"the run to regroup (on {node})")
+
+
+def step_after(nodes, node, since):
+    """The run's first step logged on `node` (train.run's metrics, global rank 0's node) after
+    the time `since`, once there is one."""
+    def first():
+        lines = nodes.exec(node, f"cat {RUNS}/{RUN}/metrics.jsonl 2>/dev/null || true").stdout.splitlines()
+        return next((m for m in map(json.loads, lines) if m["time"] > since), None)
+    return wait(first, 300, f"a step on {node}")
+
+
+def kept_on_all(nodes, master, count, since=0.0):
+    """The newest checkpoint, saved after `since`, whose parts `master`'s supervisor kept on the
+    next node each (`count` of them), once there is one."""
+    def found():
+        lines = nodes.exec(master, f"cat {RUNS}/{RUN}/copies.jsonl 2>/dev/null || true").stdout.splitlines()
+        kept = [c for c in map(json.loads, lines) if len(c["kept"]) == count and not c["failed"] and c["time"] > since]
+        return kept[-1] if kept else None
+    return wait(found, 240, f"a checkpoint's parts kept on all {count} nodes")
+
+
+def stop(node):
+    subprocess.run(["podman", "stop", "-t", "0", tc.PREFIX + node], check=True, capture_output=True)
+
+
+def test_a_zero3_run_goes_on_on_two_of_three_nodes_takes_the_third_back_and_outlives_its_master(three, figures,
+                                                                                                tmp_path):
+    """dsc_min_nodes=2, three nodes of one rank each, micro-batch 2 x accumulation 2 (global batch
+    12). few3 stopped once a checkpoint's parts are kept on every node: at the restart the master's
+    supervisor drops it, converts that checkpoint (few3's part from its copy on few1) with
+    ds_to_universal, and the run goes on on few1 and few2 from it at global batch 12 (accumulation
+    3), its next step the checkpoint's + 1; status.yml says so. few3 back, a resume takes it in
+    again (the newest checkpoint converted for three ranks). Then few1, the master, stopped:
+    resume.yml with the inventory unchanged says few1 does not answer and goes on on few2 and few3,
+    few2 the master, from the newest checkpoint with few1's part from its copy on few2: each regroup
+    is recorded on every node it went on with, so few2 knows the run last ran on all three."""
+    first, second, third = (h["name"] for h in NODES)
+    down = None
+    try:
+        for n in three.names:
+            three.exec(n, f"rm -rf {RUNS}/{RUN}", check=False)
+        # a save every 2 s or so; a copy takes about 1 s, so about every 5th is copied (the
+        # copier's pace: a tenth of the time), and retention keeps the last 20: a copied one stays
+        launched = three.playbook(
+            "launch.yml", "-e", "preset=zero3", "-e", f"run_id={RUN}", "-e", "preflight=false",
+            "-e", "dsc_micro_batch=2", "-e", "dsc_grad_accum=2", "-e", "max_restarts=1", "-e", "restart_backoff_s=1",
+            "-e", "dsc_min_nodes=2",
+            "-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=20, keep_checkpoints=20)}))
+        assert launched.returncode == 0, launched.output[-5000:]
+        config = json.loads(three.exec(first, f"cat {RUNS}/{RUN}/ds_config.json").stdout)
+        assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (12, 2), config
+        kept_on_all(three, first, 3)
+
+        lost_at, down = time.time(), third
+        stop(third)
+        record = regrouped(three, first, lost_at)
+        assert (record["lost"], record["nodes"], record["world"], record["train_batch"], record["grad_accum"],
+                record["micro_batch"], record["exact"]) == ([third], [first, second], 2, 12, 3, 2, True), record
+        wait(lambda: last(three, second, "shrinks.jsonl") == record, 30, "the regroup recorded on the other survivor")
+        went_on = step_after(three, first, record["time"])
+        assert went_on["step"] == record["from_step"] + 1, (went_on, record)
+        tag = record["checkpoint"]
+        log = three.exec(first, f"cat {RUNS}/{RUN}/launcher.log").stdout
+        assert f"resume: loaded {RUNS}/{RUN}/checkpoints/{tag} (step {record['from_step']})" in log, log[-3000:]
+        mark = json.loads(three.exec(second, f"cat {RUNS}/{RUN}/checkpoints/{tag}/dsc_universal").stdout)
+        assert (mark["lost"], mark["from"], mark["to"]) == ([third], three.names, [first, second]), mark
+        converted = [x for x in log.splitlines() if f"checkpoint {tag} converted for 2 ranks" in x]
+        figures("node lost, went on", seconds_to_next_step=round(went_on["time"] - lost_at, 1), checkpoint=tag,
+                lost_at_step=record["at_step"], converted=converted[-1][len("[dsc_node] "):])
+        shown = three.playbook("status.yml", "-e", f"run_id={RUN}")
+        assert (f"continued on 2 of 3 nodes after {third} was lost at step {record['at_step']}, from "
+                f"checkpoint {tag}") in shown.output, shown.output[-3000:]
+        assert f"run {RUN}: running" in shown.output and f"{third}: unreachable" in shown.output
+
+        three.start_again(third)
+        down = None
+        assert three.playbook("stop.yml", "-e", f"run_id={RUN}").returncode == 0
+        stopped = time.time()
+        again = three.playbook("resume.yml", "-e", f"run_id={RUN}", "-e", "preflight=false")
+        assert again.returncode == 0, again.output[-4000:]
+        back = regrouped(three, first, stopped)
+        assert (back["lost"], back["back"], back["nodes"], back["world"], back["grad_accum"]) == (
+            [], [third], three.names, 3, 2), back
+        assert wait(lambda: three.rank_pids(third, RUN), 120, f"a rank on {third} again")
+        assert step_after(three, first, back["time"])["step"] == back["from_step"] + 1
+        log = three.exec(first, f"cat {RUNS}/{RUN}/launcher.log").stdout
+        assert f"continued on 3 of 3 nodes with {third} taken in again, from checkpoint {back['checkpoint']}" in log
+
+        kept_on_all(three, first, 3, since=back["time"])
+        down, lost_at = first, time.time()
+        stop(first)
+        # resume.yml with the same inventory: the master does not answer, and the run goes on on
+        # the other two (their ranks, still waiting in a collective for the master's, stopped first)
+        moved = three.playbook("resume.yml", "-e", f"run_id={RUN}", "-e", "preflight=false")
+        assert moved.returncode == 0, moved.output[-4000:]
+        said = (f"{first} does not answer: run {RUN} resumes on {second}, {third}, {second} its master (its "
+                f"dsc_min_nodes is 2), from its newest checkpoint converted for them.")
+        assert said in moved.output, moved.output[-4000:]
+        taken = regrouped(three, second, lost_at)
+        assert (taken["lost"], taken["nodes"], taken["world"], taken["grad_accum"]) == (
+            [first], [second, third], 2, 3), taken
+        assert step_after(three, second, taken["time"])["step"] == taken["from_step"] + 1
+        log = three.exec(second, f"cat {RUNS}/{RUN}/launcher.log").stdout
+        assert (f"continued on 2 of 3 nodes after {first} was lost, from checkpoint {taken['checkpoint']}; global "
+                f"batch 12 as micro-batch 2 x 3 accumulation x 2 ranks") in log, log[-3000:]
+        assert f"resume: loaded {RUNS}/{RUN}/checkpoints/{taken['checkpoint']} (step {taken['from_step']})" in log
+        figures("node lost, taken back, master lost", said=[said] + [records.continued(r) for r in (record, back, taken)])
+    finally:
+        survivors = tmp_path / "survivors"  # stop.yml needs every node of its inventory to answer
+        tc.write_inventory([h for h in NODES if h["name"] != down], inv=survivors, known_hosts=three.known_hosts)
+        three.playbook("stop.yml", "-e", f"run_id={RUN}", inventory=survivors)
+        if down:
+            three.start_again(down)
