@@ -7,7 +7,6 @@ import subprocess
 import time
 
 import cluster as testcluster
-from dscnode import records
 from cluster import TINY, UNTIL_STOPPED, wait
 
 RUNS = "/opt/dscluster/runs"
