@@ -37,9 +37,14 @@ def last(nodes, node, name):
 
 
 def regrouped(nodes, node, since):
-    """The run's regroup recorded on `node` after the time `since`, once there is one."""
-    return wait(lambda: (r := last(nodes, node, "shrinks.jsonl")).get("time", 0) > since and r, 300,
-                f"the run to regroup (on {node})")
+    """The run's regroup recorded on `node` after the time `since`, once there is one (else the
+    end of that node's launcher log, which says why not)."""
+    try:
+        return wait(lambda: (r := last(nodes, node, "shrinks.jsonl")).get("time", 0) > since and r, 300,
+                    f"the run to regroup (on {node})")
+    except AssertionError as e:
+        log = nodes.exec(node, f"tail -c 4000 {RUNS}/{RUN}/launcher.log", check=False).stdout
+        raise AssertionError(f"{e}; {node}'s launcher log ends:\n{log}") from None
 
 
 def step_after(nodes, node, since):

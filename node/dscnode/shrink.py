@@ -1,6 +1,6 @@
 """Continuing on fewer nodes (launch's dsc_min_nodes): when an attempt fails and a node is lost (it
-does not answer, its GPUs fail the gate, or its ranks were killed in two attempts in a row), the master's supervisor drops it and restarts on the
-others, as long as dsc_min_nodes of them remain:
+does not answer, its GPUs fail the gate, or its ranks were killed in two attempts in a row), the
+master's supervisor drops it and restarts on the others, as long as dsc_min_nodes of them remain:
 1. the checkpoint: the newest that every survivor holds complete and of which each lost node's
    part is kept on a survivor (dscnode.copies' ring);
 2. every node's part of it is gathered on the master (a survivor's sent by the survivor, a lost
