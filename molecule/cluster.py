@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -526,6 +527,44 @@ class Cluster:
     def host(self, node):
         import testinfra  # noqa: PLC0415 - the tests' alone: bench/ imports this module, never asks for a host
         return testinfra.get_host(f"ansible://{node}?ansible_inventory={self.inventory}")
+
+
+def resumed_at_the_checkpoint_every_node_holds(cluster, run_id, code, nodes, inventory=None, mode=()):
+    """A user's own DeepSpeed loop (tests/fixtures/checkpoint_loop.py, copied into `code`) run to
+    step 8, saving at 4 and 8; global_step8 then lost on the last node (as a node lost mid-save
+    leaves it), and the run resumed to step 12 with `--load {latest:ckpt/global_step*}`: every
+    node loads global_step4, the newest every node holds, where each node alone would take its
+    own newest. The nodes (`nodes`, the master first) start alone (`mode`: dsc_launch_mode no_ssh,
+    or an inventory's slurm),
+    so they agree on it before the start; each node's launcher log says so. -> those lines."""
+    code.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "tests" / "fixtures" / "checkpoint_loop.py", code)
+    args = ["-e", f"run_id={run_id}", "-e", "preflight=false", "-e", "follow=true", "-e", "preset=zero2",
+            "-e", f"dsc_code_dir={code}", "-e", "dsc_entry_script=checkpoint_loop.py", *mode]
+    for n in nodes:
+        cluster.exec(n, f"rm -rf {RUNS}/{run_id}")
+
+    def loaded(node):
+        return json.loads(cluster.exec(node, f"cat {RUNS}/{run_id}/code/loaded.json").stdout)
+    r = cluster.playbook("launch.yml", *args, "-e", json.dumps(
+        {"dsc_entry_args": ["--steps", "8", "--save-every", "4"],
+         "dsc_resume_args": ["--load", "{latest:ckpt/global_step*}"]}), inventory=inventory)
+    assert r.returncode == 0, r.output[-5000:]
+    assert [loaded(n)["end"] for n in nodes] == [8] * len(nodes)
+    cluster.exec(nodes[-1], f"rm -rf {RUNS}/{run_id}/code/ckpt/global_step8")
+    r = cluster.playbook("resume.yml", *args, "-e", "force=true", "-e", json.dumps(
+        {"dsc_entry_args": ["--steps", "12", "--save-every", "4"]}), inventory=inventory)
+    assert r.returncode == 0, r.output[-5000:]
+    said = []
+    for n in nodes:
+        assert {k: loaded(n)[k] for k in ("loaded_step", "end")} == {"loaded_step": 4, "end": 12}, loaded(n)
+        log = cluster.exec(n, f"cat {RUNS}/{run_id}/launcher.log").stdout
+        line = next((x for x in log.splitlines() if x.startswith("[dsc_node] {latest:ckpt/global_step*}")), "")
+        assert line.startswith("[dsc_node] {latest:ckpt/global_step*}: ckpt/global_step4, the newest complete on "), log[-3000:]
+        assert line.endswith(f"; passed over: ckpt/global_step8 ({nodes[-1]}: not there) (agreed before the start)"), line
+        assert "--load ckpt/global_step4" in log, log[-3000:]
+        said.append(f"{n}: {line}")
+    return said
 
 
 def wait(cond, timeout, what, every=1.0):

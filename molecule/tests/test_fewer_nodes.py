@@ -84,8 +84,6 @@ def test_a_zero3_run_goes_on_on_two_of_three_nodes_takes_the_third_back_and_outl
     first, second, third = (h["name"] for h in NODES)
     down = None
     try:
-        for n in three.names:
-            three.exec(n, f"rm -rf {RUNS}/{RUN}", check=False)
         # a save every 2 s or so; a copy takes about 1 s, so about every 5th is copied (the
         # copier's pace: a tenth of the time), and retention keeps the last 20: a copied one stays
         launched = three.playbook(

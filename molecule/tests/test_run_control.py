@@ -5,6 +5,7 @@ import json
 import threading
 
 from cluster import PREFIX, TINY, UNTIL_STOPPED, addr, sh, wait
+import cluster as tc
 
 RUNS = "/opt/dscluster/runs"
 OTHER_ROOT = "/opt/dscluster/runs-b"
@@ -129,6 +130,13 @@ def test_no_ssh_mode_trains_across_nodes_stops_everywhere_and_resumes(provisione
     finally:
         if not ended:
             cluster.playbook("stop.yml", "-e", f"run_id={run}", *no_ssh)
+
+
+def test_no_ssh_nodes_resume_from_the_checkpoint_every_node_holds(provisioned, cluster, tmp_path):
+    """A {latest:GLOB} resume where every node starts its own launcher: the runs role asks every
+    node for its matches and each starts with the newest all hold (molecule/cluster.py says how)."""
+    tc.resumed_at_the_checkpoint_every_node_holds(cluster, "ns-latest", tmp_path / "code", cluster.names,
+                                                  mode=["-e", "dsc_launch_mode=no_ssh"])
 
 
 def _inventory(cluster, folder, hosts):

@@ -239,3 +239,10 @@ def test_a_killed_rank_restarts_every_node_from_the_checkpoint(slurm_nodes, clus
     assert _run_state(cluster, run) == {"slu1": "0", "slu2": "0"}
     summary = json.loads(cluster.exec("slu1", f"cat {RUNS}/{run}/summary.json").stdout)
     assert 10 <= summary["start_step"] < steps, summary  # the second attempt resumed from a checkpoint
+
+
+def test_a_resume_takes_the_checkpoint_every_node_holds(slurm_nodes, cluster, tmp_path):
+    """A {latest:GLOB} resume through Slurm: the batch job asks every node for its matches (a task
+    on each) and gives every node's task the newest all hold (molecule/cluster.py says how)."""
+    tc.resumed_at_the_checkpoint_every_node_holds(cluster, "sl-latest", tmp_path / "code", [h["name"] for h in NODES],
+                                                  inventory=slurm_nodes["inventory"])

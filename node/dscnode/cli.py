@@ -13,7 +13,7 @@ built file). Every command prints one JSON object.
     dsc_node.pyz start RUN_DIR RUN_ID --run-root DIR (--ports FIRST LAST | --port P) [--replace]
                        [--hosts H1,H2] [--max-restarts N] [--backoff S] [--resume-args JSON_LIST]
                        [--stall-s S] [--stall-fail] [--py-spy PATH] [--foreground [--attempt N]]
-                       [--used-gpus JSON] [--no-copies] -- CMD...
+                       [--used-gpus JSON] [--no-copies] [--agreed JSON] -- CMD...
                                                # under a lock: refuse (or replace) an active run, take the
                                                # first free master port (--port: the one the master took,
                                                # no_ssh mode's other nodes), detach a supervisor that runs CMD,
@@ -23,6 +23,10 @@ built file). Every command prints one JSON object.
                                                #   a restart (null without nvidia-smi)
     dsc_node.pyz matches GLOB --cwd DIR        # a {latest:GLOB}'s matches here and what each holds of a
                                                #   finished save (the supervisor's pick on every node)
+    dsc_node.pyz latest-states GLOB... --cwd DIR [--node NAME]
+                                               # this node's matches of each glob as one line for
+    dsc_node.pyz agree-latest                  #   this, which reads every node's on stdin: {glob: the
+                                               #   newest complete on all} (no_ssh and slurm's start)
     dsc_node.pyz part-send SAVE_DIR TAG [--copy-of NODE]
                                                # this node's part of a node-local checkpoint (or its copy
                                                #   of NODE's) as a tar stream: the supervisor pipes it
@@ -122,6 +126,8 @@ def start_arguments(p):
     p.add_argument("--used-gpus", default="{}", help="JSON {node: GPU indices}: what the GPU gate judges before a restart")
     p.add_argument("--no-copies", action="store_true", help="keep no copy of each node's checkpoint part on "
                                                              "another node (dscnode.copies)")
+    p.add_argument("--agreed", default="", help="agree-latest's JSON: what every node agreed each {latest:GLOB} "
+                                                "is, where no supervisor reaches the others")
 
 
 def parser():
@@ -155,6 +161,13 @@ def parser():
                                     "a finished save (the supervisor's newest complete on every node)")
     p.add_argument("pattern")
     p.add_argument("--cwd", required=True)
+    p = action("latest-states", _latest_states, "each glob's matches here as one line of this node's, for "
+                                                "agree-latest (where no supervisor reaches the other nodes)")
+    p.add_argument("patterns", nargs="+")
+    p.add_argument("--cwd", required=True)
+    p.add_argument("--node", default="", help="this node's name in the inventory (default: Slurm's, else the host name)")
+    action("agree-latest", _agree_latest, "every node's latest-states lines on stdin: {glob: {path: the newest "
+                                          "match complete on all of them, said: why}}")
     p = action("part-send", _part_send, "this node's part of a node-local checkpoint (or, with --copy-of, "
                                         "its copy of that node's part) as a tar stream on stdout")
     p.add_argument("save_dir")
@@ -257,6 +270,20 @@ def _matches(a):
     print(json.dumps(match_states(a.pattern, a.cwd)))
 
 
+def _latest_states(a):
+    from dscnode.safe import latest_glob
+    from dscnode.supervisor import latest_states
+    bad = [g for g in a.patterns if latest_glob("{latest:" + g + "}") != g]
+    if bad:
+        raise SystemExit(f"dsc_node latest-states: {bad[0]!r} is not a glob {{latest:GLOB}} allows")
+    print(json.dumps(latest_states(a.patterns, a.cwd, a.node)))
+
+
+def _agree_latest(a):
+    from dscnode.supervisor import agree_latest
+    print(json.dumps(agree_latest(sys.stdin.read(1 << 24).splitlines())))
+
+
 def _part_send(a):
     from dscnode.copies import send
     send(a.save_dir, a.tag, a.copy_of)
@@ -295,6 +322,19 @@ def _write_run(a):
     return 0 if result["ok"] else 4
 
 
+def agreed_latest(text):
+    """start's --agreed: agree-latest's {glob: {path, said}} (a path the supervisor checks is one
+    of its own matches), None where there is none or it is not that (each node resolves alone)."""
+    try:
+        agreed = json.loads(text) if text else None
+    except ValueError:
+        return None
+    ok = isinstance(agreed, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("path"), str) and isinstance(v.get("said"), str)
+        for v in agreed.values())
+    return agreed if ok else None
+
+
 def _start(a):
     from dscnode.launch import start
     if not a.cmd:
@@ -305,7 +345,7 @@ def _start(a):
                  backoff=a.backoff, resume_args=json.loads(a.resume_args),
                  stall={"timeout_s": a.stall_s, "fail": a.stall_fail, "py_spy": a.py_spy}, port=a.port,
                  foreground=a.foreground, attempt=a.attempt, used_gpus=json.loads(a.used_gpus),
-                 copies=not a.no_copies)
+                 copies=not a.no_copies, agreed=agreed_latest(a.agreed))
 
 
 def _procs(a):

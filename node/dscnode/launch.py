@@ -53,7 +53,7 @@ def write_run(run_dir, spec, resume=False):
 
 def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_restarts=0,
           backoff=10.0, resume_args=("--resume",), stall=None, port=None, foreground=False, attempt=0,
-          used_gpus=None, copies=True):
+          used_gpus=None, copies=True, agreed=None):
     """Under the run root's lock: refuse (or replace) an active run, take the first free master
     port (or `port`, the one the master took: only the master's rank 0 listens on it), then
     double-fork a supervisor into a new session so that it outlives the Ansible
@@ -62,7 +62,9 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     with the run; `attempt` above 0 is the batch job's restart of every node, from the latest
     complete checkpoint (resume_args), which the GPU gate (`used_gpus`: {node: GPU indices}) may
     refuse as it refuses the supervisor's own restarts. `copies`: each node's part of a node-local
-    checkpoint also kept on the next node (dscnode.copies), where the supervisor reaches others."""
+    checkpoint also kept on the next node (dscnode.copies), where the supervisor reaches others.
+    `agreed`: what every node agreed each `{latest:GLOB}` is before this start
+    (supervisor.agree_latest), where no supervisor reaches the others."""
     run = RunDir(run_dir)
     lock = open(Path(run_root) / RunDir.LOCK, "a")
     fcntl.flock(lock, fcntl.LOCK_EX)  # held until the new supervisor's pid is recorded
@@ -101,7 +103,7 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
         (run / RunDir.RESTARTING).unlink(missing_ok=True)
     if foreground:
         lock.close()
-        supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall, used_gpus, copies)
+        supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall, used_gpus, copies, agreed)
     if os.fork():
         pid = None
         for _ in range(100):  # until the supervisor recorded its pid (or already ended)
@@ -116,4 +118,4 @@ def start(run_dir, run_id, cmd, run_root, ports, replace=False, hosts=(), max_re
     os.setsid()
     if os.fork():
         os._exit(0)
-    supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall, used_gpus, copies)
+    supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args, stall, used_gpus, copies, agreed)

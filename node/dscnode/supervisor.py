@@ -250,26 +250,70 @@ def newest_complete(pattern, cwd=".", hosts=()):
         except ValueError:
             pass  # no answer: the attempt itself finds the node unreachable
     match, passed = complete.newest_everywhere(states, nodes)
-    unheard = [h for h in hosts if h not in nodes]
-    print(f"[dsc_node] {{latest:{pattern}}}: {match or 'none complete on every node, the run starts over'}"
-          f"{', the newest complete on ' + ', '.join(nodes) if match else ''}"
-          f"{'; passed over: ' + ', '.join(passed) if passed else ''}"
-          f"{'; no answer from ' + ', '.join(unheard) if unheard else ''}", flush=True)
+    print(said_latest(pattern, match, nodes, passed, [h for h in hosts if h not in nodes]), flush=True)
     return match
 
 
-def resolve_latest(argv, cwd=".", hosts=()):
+def said_latest(pattern, match, nodes, passed, unheard=()):
+    """What a `{latest:GLOB}` took, on which nodes, and what it passed over, as the launcher's log
+    says it."""
+    return (f"[dsc_node] {{latest:{pattern}}}: {match or 'none complete on every node, the run starts over'}"
+            f"{', the newest complete on ' + ', '.join(nodes) if match else ''}"
+            f"{'; passed over: ' + ', '.join(passed) if passed else ''}"
+            f"{'; no answer from ' + ', '.join(unheard) if unheard else ''}")
+
+
+def latest_states(patterns, cwd=".", node=""):
+    """This node's part of an agreement on `{latest:GLOB}` where no supervisor reaches the other
+    nodes (the no_ssh and slurm launch modes): {node: its name (`node`, else Slurm's name for it,
+    else its host name), states: {glob: match_states}}, a line that agree_latest reads with every
+    other node's."""
+    name = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return {"node": name, "states": {p: match_states(p, cwd) for p in patterns}}
+
+
+def agree_latest(lines):
+    """Every node's latest_states (JSON lines; the nodes in the order given) -> {glob: {path: the
+    newest match complete on every node ("" for none), said: what it took and passed over, as
+    newest_complete says it}}. A line that is not a node's states is left out: that node holds
+    nothing, so nothing is complete on every node."""
+    answers = []
+    for line in lines:
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and isinstance(answer.get("states"), dict):
+            answers.append(answer)
+    nodes = [str(a.get("node")) for a in answers]
+    agreed = {}
+    for pattern in dict.fromkeys(p for a in answers for p in a["states"]):
+        match, passed = complete.newest_everywhere([a["states"].get(pattern) or {} for a in answers], nodes)
+        agreed[pattern] = {"path": match or "", "said": said_latest(pattern, match, nodes, passed)}
+    return agreed
+
+
+def resolve_latest(argv, cwd=".", hosts=(), agreed=None):
     """A script's resume arguments, as the plan allows them: `{latest:GLOB}` becomes the newest
     match complete on every node (newest_complete; e.g. HF's --resume_from_checkpoint
-    out/checkpoint-40); with none yet (stopped before the first save) it is dropped with the
-    option right before it, and the run starts over."""
+    out/checkpoint-40), or what every node agreed it is before the start (`agreed`: agree_latest's,
+    where no supervisor reaches the others); with none yet (stopped before the first save) it is
+    dropped with the option right before it, and the run starts over."""
     out = []
     for arg in argv:
         pattern = latest_glob(arg)
         if pattern is None:
             out.append(arg)
             continue
-        path = newest_complete(pattern, cwd, hosts)
+        if agreed is not None and pattern in agreed:
+            path = agreed[pattern]["path"]
+            if path and path not in matches(pattern, cwd):  # never a path that is not a match here
+                print(f"[dsc_node] {{latest:{pattern}}}: the agreed {path} is not here; the run starts over", flush=True)
+                path = ""
+            else:
+                print(agreed[pattern]["said"].replace("\n", " ") + " (agreed before the start)", flush=True)
+        else:
+            path = newest_complete(pattern, cwd, hosts)
         if path:
             out.append(path)
         elif out and out[-1].startswith("-"):
@@ -319,7 +363,7 @@ def with_resume(cmd, resume_args):
 
 
 def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), stall=None, used_gpus=None,
-              keep_copies=True):
+              keep_copies=True, agreed=None):
     log = os.open(run / RunDir.LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -355,7 +399,7 @@ def supervise(run, run_id, cmd, hosts, max_restarts, backoff, resume_args=(), st
                 copies.restore(run, hosts)
             except Exception as e:  # noqa: BLE001 - the attempt still starts, from what the nodes hold
                 print(f"[dsc_node] no checkpoint part was put back: {e}", flush=True)
-        child = subprocess.Popen(resolve_latest(attempt, hosts=list(hosts)), env=env, stdin=subprocess.DEVNULL)
+        child = subprocess.Popen(resolve_latest(attempt, hosts=list(hosts), agreed=agreed), env=env, stdin=subprocess.DEVNULL)
         best_effort(write_atomic, run / RunDir.CHILD, str(child.pid))
         seen = {}
         code, cause, torn = watch(child, run, run_id, list(hosts), offset, stall=stall, seen=seen, copier=copier)

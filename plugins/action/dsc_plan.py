@@ -78,11 +78,11 @@ class ActionModule(ActionBase):
         # status.yml shows an unreachable node as such, and a resume of a run launched with
         # dsc_min_nodes goes on without it; everything else needs every node.
         allow_unreachable = dscplan.as_bool(self._templar.template(args.get("allow_unreachable", False)))
-        went_on = None
+        without_them = ""  # resume_without's: the plan's first note, or why the run cannot go on
         if unreachable and not allow_unreachable:
-            left, went_on = dscplan.resume_without(names, list(unprobed), probes, options)
+            left, without_them = dscplan.resume_without(names, list(unprobed), probes, options)
             if not left:
-                return failed(result, unreachable + ([went_on] if went_on else []))
+                return failed(result, unreachable + ([without_them] if without_them else []))
             groups = dict(groups, **{dscplan.CLUSTER_GROUP: left})
         # run: true (launch, resume), "probe" (preflight's all-reduce: an active run is reported
         # by preflight itself), false (status, stop, logs: only which run).
@@ -98,8 +98,8 @@ class ActionModule(ActionBase):
             probe_errors=unprobed)
         if errors:
             return failed(result, errors, f"{len(errors)} problem(s), nothing was changed:")
-        if went_on:
-            plan["notes"] = [went_on, *plan.get("notes", [])]
+        if without_them:
+            plan["notes"] = [without_them, *plan.get("notes", [])]
         result.update(plan)
         result["changed"] = False
         return result

@@ -119,6 +119,37 @@ def test_checkpoints_no_shim_marked_count_where_they_exist_on_every_node(tmp_pat
     assert pick("out/step_*", master) == ("out/step_2", [])
 
 
+def test_nodes_that_start_alone_agree_on_the_newest_checkpoint_complete_on_all(tmp_path, capsys):
+    """no_ssh and slurm: each node's latest-states line (their order as they come), agree-latest
+    over all of them, and each node's supervisor starts with what they agreed; a node whose
+    answer is missing or not one holds nothing, and a path agreed that is not a match on a node
+    is not passed there."""
+    master, worker = tmp_path / "master", tmp_path / "worker"
+    for node in (master, worker):
+        checkpoint(node / "out", "checkpoint-20", "global_step20", trainer_state=True)
+    checkpoint(master / "out", "checkpoint-40", "global_step40", trainer_state=True)
+    checkpoint(worker / "out", "checkpoint-40")
+    lines = [json.dumps(supervisor.latest_states(["out/checkpoint-*"], n, node=n.name)) for n in (worker, master)]
+    agreed = supervisor.agree_latest(lines)
+    assert agreed["out/checkpoint-*"]["path"] == "out/checkpoint-20"
+    assert agreed["out/checkpoint-*"]["said"] == (
+        "[dsc_node] {latest:out/checkpoint-*}: out/checkpoint-20, the newest complete on worker, master; "
+        "passed over: out/checkpoint-40 (worker: DeepSpeed's part not marked complete)")
+    assert supervisor.agree_latest(lines[1:])["out/checkpoint-*"]["path"] == "out/checkpoint-40"  # the master alone
+    assert supervisor.agree_latest([lines[1], "srun: error: node2: task 0: Exited", "[]"]) == \
+        supervisor.agree_latest(lines[1:])
+    argv = ["run_clm.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
+    capsys.readouterr()
+    assert supervisor.resolve_latest(argv, master, agreed=agreed)[-1] == "out/checkpoint-20"
+    assert capsys.readouterr().out.strip().endswith("(agreed before the start)")
+    # agreed elsewhere, not a match here (nor anything outside the code directory): the run starts over
+    for elsewhere in ("out/checkpoint-60", "../../etc"):
+        told = {"out/checkpoint-*": {"path": elsewhere, "said": ""}}
+        assert supervisor.resolve_latest(argv, master, agreed=told) == ["run_clm.py"]
+    assert cli.agreed_latest('{"out/checkpoint-*": "out/checkpoint-20"}') is None  # not agree-latest's
+    assert cli.agreed_latest(json.dumps(agreed)) == agreed
+
+
 @pytest.fixture
 def node_cli():
     """The node helper's CLI run in this process: it sets the umask a node's files are made with

@@ -303,6 +303,23 @@ def test_resume_reuses_the_runs_launch_spec(tmp_path):
     assert more["run"]["commands"]["node1"][-3:] == ["--epochs", "3", "--resume"]  # given explicitly: wins
 
 
+@pytest.mark.parametrize("mode", ["pdsh", "no_ssh"])
+def test_no_ssh_nodes_are_asked_for_each_latest_glob_of_a_resume_before_they_start(tmp_path, mode):
+    """Where every node starts its own launcher (no_ssh), the runs role asks each for its matches
+    of the {latest:GLOB}s the resume's command holds (latest_globs); pdsh's supervisor asks them
+    itself, and a launch holds none."""
+    (tmp_path / "train.py").write_text("")
+    opts = {"dsc_code_dir": str(tmp_path), "dsc_entry_script": "train.py",
+            "dsc_resume_args": ["--resume_from_checkpoint", "{latest:out/checkpoint-*}"]}
+    first, errors = plan(n=2, options=opts, full_run=True, dsc_launch_mode=mode)
+    assert errors == [] and first["run"]["latest_globs"] == []
+    runs = [{"id": first["run"]["id"], "mtime": 1, "started": True, "active": False,
+             "launch": json.loads(first["run"]["files"]["launch.json"])}]
+    again, errors = plan(n=2, options={"resume": True}, full_run=True, runs=runs, dsc_launch_mode=mode)
+    assert errors == [] and again["run"]["commands"]["node1"][-1] == "{latest:out/checkpoint-*}"
+    assert again["run"]["latest_globs"] == (["out/checkpoint-*"] if mode == "no_ssh" else [])
+
+
 def test_resume_checks_the_runs_launch_record_as_typed_and_reads_no_file_it_names(tmp_path):
     """launch.json is read back from the master, where the training user writes: a Jinja template
     or a control character in it is refused as in an -e value, and the ds_config file it names on

@@ -120,3 +120,14 @@ def test_a_resume_with_a_node_that_does_not_answer_goes_on_on_the_others_as_dsc_
     for node in ("node2", "node3"):
         probes[node]["runs"] = [dict(stopped, launch=dict(GO_ON))]
     assert resume_without(names, ["node1"], probes, {"resume": True}) == (None, "")
+
+
+@pytest.mark.parametrize("recorded", ["2\n", "$(id)", "1;reboot", "../1", "#jinja2: x\n2", "{{ 2 }}", True, 2.5, -1, "0"])
+def test_a_resume_without_a_node_takes_only_a_whole_dsc_min_nodes_from_the_runs_record(recorded):
+    """launch.json is the training user's: a dsc_min_nodes there that is not a whole number of
+    nodes leaves the node that does not answer refused, as for a run launched without it."""
+    _, groups, probes = cluster(3)
+    for node in ("node2", "node3"):
+        probes[node]["runs"] = [{"id": "r1", "mtime": 1, "started": True, "active": False,
+                                 "launch": dict(GO_ON, dsc_min_nodes=recorded)}]
+    assert resume_without(groups["cluster"], ["node1"], probes, {"resume": True}) == (None, "")

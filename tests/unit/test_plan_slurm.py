@@ -91,7 +91,8 @@ def test_the_batch_job_holds_exactly_the_plans_nodes_and_takes_the_masters_port(
     assert ("  port=$(srun --nodes=1 --ntasks=1 --nodelist=node1 /usr/local/lib/dscluster/dsc_node.pyz "
             "free-port 29500 29510) || exit 3") in batch
     assert (f"  srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 /bin/bash {run['dir']}/slurm_task.sh "
-            f"\"$port\" \"$attempt\" && exit 0") in batch
+            f"\"$port\" \"$attempt\" \"$agreed\" && exit 0") in batch
+    assert "  agreed=''" in batch  # no {latest:GLOB} to agree on
     assert '  [ "$attempt" -lt 0 ] || exit 1' in batch  # max_restarts 0: no second attempt
     assert subprocess.run(["bash", "-n"], input=run["files"]["slurm.sbatch"], text=True).returncode == 0
 
@@ -105,9 +106,9 @@ def test_each_nodes_task_starts_its_launcher_in_the_foreground_on_the_port():
     lines = {line.split(")")[0].strip(): line for line in task.splitlines() if line.startswith("  node")}
     for node, rank in (("node1", 0), ("node2", 1)):
         argv = shlex.split(lines[node].split(") exec ", 1)[1].rsplit(" ;;", 1)[0])
-        assert argv[:9] == [p["helper"], "start", run["dir"], run["id"], "--foreground", "--port", "$1",
-                            "--attempt", "$2"]
-        assert argv[9:9 + len(run["start_args"][node])] == run["start_args"][node]
+        assert argv[:11] == [p["helper"], "start", run["dir"], run["id"], "--foreground", "--port", "$1",
+                             "--attempt", "$2", "--agreed", "$3"]
+        assert argv[11:11 + len(run["start_args"][node])] == run["start_args"][node]
         assert run["start_args"][node][2:4] == ["--hosts", node]  # each node's supervisor, its own node
         rest = argv[argv.index("--") + 1:]
         assert rest == run["commands"][node] and rest[rest.index("--node_rank") + 1] == str(rank)
@@ -124,6 +125,24 @@ def test_restarts_are_the_batch_jobs_every_node_at_once():
     for node in ("node1", "node2"):  # no node's supervisor restarts alone
         args = run["start_args"][node]
         assert args[args.index("--max-restarts") + 1] == "0"
+
+
+def test_each_attempt_takes_the_latest_checkpoint_every_node_holds_complete():
+    """A run that resumes with {latest:GLOB}: before each attempt the batch job asks every node
+    (one task each) for its matches and gives every node's task the newest complete on all; the
+    plan asks no node itself (the batch job does, when it runs)."""
+    p, errors = slurm_run(options={"max_restarts": 1,
+                                   "dsc_resume_args": ["--resume_from_checkpoint", "{latest:out/checkpoint-*}"]})
+    assert errors == []
+    run = p["run"]
+    batch = run["files"]["slurm.sbatch"].splitlines()
+    helper = p["helper"]
+    assert (f"  agreed=$(srun --nodes=2 --ntasks-per-node=1 {helper} latest-states --cwd {run['workdir']} "
+            f"'out/checkpoint-*' | {helper} agree-latest) || agreed=''") in batch
+    asked, started = (next(i for i, x in enumerate(batch) if x.lstrip().startswith(w)) for w in ("agreed=$(", "srun --nodes=2"))
+    assert batch.index("while :; do") < asked < started  # every attempt, the first too
+    assert run["latest_globs"] == []
+    assert subprocess.run(["bash", "-n"], input=run["files"]["slurm.sbatch"], text=True).returncode == 0
 
 
 def test_a_sites_own_slurm_takes_its_partition_and_account_and_must_know_every_node():

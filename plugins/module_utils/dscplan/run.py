@@ -503,8 +503,11 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
     commands = _commands(plan, launcher, run_dir, entry, config_arg, resume)
     start_args = launcher.start_args(plan.nodes, commands, opt, plan.run_root, plan.py_spy, entry["resume_args"])
     workdir = entry["code_dir"] if entry["shared"] else f"{run_dir}/{RunDir.CODE}"
+    # the run's {latest:GLOB}s: in its command (a resume's), and in what a restart adds
+    started = list(dict.fromkeys(g for c in commands.values() for a in c if (g := latest_glob(a))))
+    globs = list(dict.fromkeys(started + [g for a in entry["resume_args"] if (g := latest_glob(a))]))
     launch_files = launcher.files(plan, run_id, run_dir, workdir, commands, start_args, env,
-                                  (int(opt["max_restarts"]), int(opt["restart_backoff_s"])))
+                                  (int(opt["max_restarts"]), int(opt["restart_backoff_s"])), globs)
     files = dict(_run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text), **launch_files,
                  **(shrink_files(opt, plan, launcher, config, step_down, problems) if not resume else {}))
     return RunRecord(
@@ -516,6 +519,7 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
         code_dest=f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
         workdir=workdir, env=env, secrets_file=secrets_path(plan.run_root, run_id),
         commands=commands, start_args=start_args, code_archive=archive, files=files,
+        latest_globs=started if launcher.agrees_latest == "ansible" else [],
         # A resume keeps the run's files, but the launch mode's (its commands carry the resume)
         # and, with steps=N, those that hold the run's end, for this attempt and every later one.
         resume_files=dict(launch_files, **(_moved_end(run_id, runs_seen, new_end, files) if new_end else {})),

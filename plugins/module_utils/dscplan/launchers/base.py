@@ -100,7 +100,14 @@ class Launcher(ABC):
         return ""
 
     def files(self, plan: Plan, run_id: str, run_dir: str, workdir: str, commands: dict, start_args: dict,
-              env: dict, restarts: tuple[int, int]) -> dict[str, str]:
+              env: dict, restarts: tuple[int, int], globs: list[str]) -> dict[str, str]:
         """The run directory's files this mode adds (name -> text), written at launch and again at
-        every resume (`restarts`: max_restarts and the backoff)."""
+        every resume (`restarts`: max_restarts and the backoff; `globs`: the run's `{latest:GLOB}`s,
+        in its command or its resume arguments)."""
         return {}
+
+    # Where the nodes agree on each `{latest:GLOB}` before a start, where no supervisor reaches
+    # the others to take the newest match complete on all (pdsh's does, before every attempt):
+    # "ansible" (the runs role asks every node before it starts them), "batch job" (the job asks
+    # every node before each attempt).
+    agrees_latest = ""

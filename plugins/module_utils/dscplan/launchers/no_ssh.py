@@ -21,6 +21,7 @@ class PerNode(Launcher):
 
 class NoSsh(PerNode):
     mode = "no_ssh"
+    agrees_latest = "ansible"
 
     def record(self, nodes, master, slurm):
         names = [n.name for n in nodes]

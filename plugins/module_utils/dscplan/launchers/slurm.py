@@ -19,6 +19,7 @@ JOB_PREFIX = "dsc-"
 class Slurm(PerNode):
     mode = "slurm"
     queues = True
+    agrees_latest = "batch job"
 
     def probe_options(self):
         return ["--slurm"]
@@ -41,8 +42,8 @@ class Slurm(PerNode):
     def run_problems(self, master, nodes, slurm, run_id, probe, problems):
         node_problems(master, slurm.partition, [n.name for n in nodes], run_id, probe.get("slurm"), problems)
 
-    def files(self, plan, run_id, run_dir, workdir, commands, start_args, env, restarts):
-        return batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, restarts)
+    def files(self, plan, run_id, run_dir, workdir, commands, start_args, env, restarts, globs):
+        return batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, restarts, globs)
 
 
 def node_problems(master, partition, names, run_id, view, problems):
@@ -81,7 +82,7 @@ def node_problems(master, partition, names, run_id, view, problems):
                      f"them (dsc_slurm_partition).")
 
 
-def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, restarts):
+def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, restarts, globs=()):
     """dsc_launch_mode slurm: the run directory's batch job and per-node task (file name -> text).
     The job holds exactly the plan's nodes (exclusive, their GPUs as gres); each attempt's first
     step takes the first free master port on the master (the node helper's free-port), then one
@@ -90,7 +91,9 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
     (--kill-on-bad-exit): the ranks of the other nodes do not wait for a node that is gone. Then,
     up to `restarts` (max_restarts, backoff_s) times, the job starts every node again from the
     latest complete checkpoint, after a backoff that doubles (as the supervisor's, up to 600 s);
-    the run directory's `restarting` mark says so meanwhile (status, follow)."""
+    the run directory's `restarting` mark says so meanwhile (status, follow). Where the run
+    resumes with `{latest:GLOB}` (`globs`), each attempt first asks every node for its matches
+    and passes the newest complete on all of them to every node's task (agree-latest)."""
     most, backoff = restarts
     gpus = {len(n.gpu_ids) or n.gpus for n in plan.nodes}
     names = ",".join(plan.node_names)
@@ -113,8 +116,11 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
         "while :; do",
         f"  port=$(srun --nodes=1 --ntasks=1 --nodelist={q(plan.master)} {q(plan.helper)} free-port "
         f"{plan.master_port_first} {plan.master_port_last}) || exit 3",
+        *([f"  agreed=$(srun --nodes={plan.num_nodes} --ntasks-per-node=1 {q(plan.helper)} latest-states "
+           f"--cwd {q(workdir)} {' '.join(map(q, globs))} | {q(plan.helper)} agree-latest) || agreed=''"]
+          if globs else ["  agreed=''"]),
         f"  srun --nodes={plan.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\" \"$attempt\" && exit 0",
+        f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\" \"$attempt\" \"$agreed\" && exit 0",
         # 6: a node's GPU gate refused the restart (its task recorded why): no further attempt
         "  [ $? -ne 6 ] || exit 6",
         f"  [ \"$attempt\" -lt {most} ] || exit 1",
@@ -127,14 +133,15 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
     ]
     task = ["#!/bin/bash",
             f"# Run {run_id}: this node's launcher (Slurm's task on it), on the master port in $1,",
-            "# the batch job's attempt in $2 (above 0: a restart, from the latest complete checkpoint).",
+            "# the batch job's attempt in $2 (above 0: a restart, from the latest complete checkpoint),",
+            "# what every node agreed each {latest:GLOB} is in $3.",
             "set -eu",
             *(f"export {k}={q(str(v))}" for k, v in sorted(dict(env, DS_ENV_FILE=f"{run_dir}/{RunDir.DS_ENV}").items())),
             'case "$SLURMD_NODENAME" in']
     for node, cmd in commands.items():
         argv = [plan.helper, "start", run_dir, run_id, "--foreground", "--port", "$1", "--attempt", "$2",
-                *start_args[node], "--", *cmd]
-        task.append(f"  {node}) exec " + " ".join(f'"{a}"' if a in ("$1", "$2") else q(a) for a in argv) + " ;;")
+                "--agreed", "$3", *start_args[node], "--", *cmd]
+        task.append(f"  {node}) exec " + " ".join(f'"{a}"' if a in ("$1", "$2", "$3") else q(a) for a in argv) + " ;;")
     task += [f'  *) echo "node $SLURMD_NODENAME is not one of run {run_id}\'s nodes ({names})" >&2; exit 2 ;;',
              "esac"]
     return {RunDir.SLURM_BATCH: "\n".join(batch) + "\n", RunDir.SLURM_TASK: "\n".join(task) + "\n"}
