@@ -539,14 +539,14 @@ def resumed_at_the_checkpoint_every_node_holds(cluster, run_id, code, nodes, inv
     so they agree on it before the start; each node's launcher log says so. -> those lines."""
     code.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "tests" / "fixtures" / "checkpoint_loop.py", code)
-    args = ["-e", f"run_id={run_id}", "-e", "preflight=false", "-e", "follow=true", "-e", "preset=zero2",
-            "-e", f"dsc_code_dir={code}", "-e", "dsc_entry_script=checkpoint_loop.py", *mode]
+    args = ["-e", f"run_id={run_id}", "-e", "preflight=false", "-e", "follow=true", *mode]
     for n in nodes:
         cluster.exec(n, f"rm -rf {RUNS}/{run_id}")
 
     def loaded(node):
         return json.loads(cluster.exec(node, f"cat {RUNS}/{run_id}/code/loaded.json").stdout)
-    r = cluster.playbook("launch.yml", *args, "-e", json.dumps(
+    r = cluster.playbook("launch.yml", *args, "-e", "preset=zero2", "-e", f"dsc_code_dir={code}",
+                         "-e", "dsc_entry_script=checkpoint_loop.py", "-e", json.dumps(
         {"dsc_entry_args": ["--steps", "8", "--save-every", "4"],
          "dsc_resume_args": ["--load", "{latest:ckpt/global_step*}"]}), inventory=inventory)
     assert r.returncode == 0, r.output[-5000:]
@@ -557,9 +557,10 @@ def resumed_at_the_checkpoint_every_node_holds(cluster, run_id, code, nodes, inv
     assert r.returncode == 0, r.output[-5000:]
     said = []
     for n in nodes:
-        assert {k: loaded(n)[k] for k in ("loaded_step", "end")} == {"loaded_step": 4, "end": 12}, loaded(n)
         log = cluster.exec(n, f"cat {RUNS}/{run_id}/launcher.log").stdout
         line = next((x for x in log.splitlines() if x.startswith("[dsc_node] {latest:ckpt/global_step*}")), "")
+        assert {k: loaded(n)[k] for k in ("loaded_step", "end")} == {"loaded_step": 4, "end": 12}, (
+            loaded(n), line, log[-2000:], r.output[-4000:])
         assert line.startswith("[dsc_node] {latest:ckpt/global_step*}: ckpt/global_step4, the newest complete on "), log[-3000:]
         assert line.endswith(f"; passed over: ckpt/global_step8 ({nodes[-1]}: not there) (agreed before the start)"), line
         assert "--load ckpt/global_step4" in log, log[-3000:]

@@ -281,7 +281,13 @@ def _latest_states(a):
 
 def _agree_latest(a):
     from dscnode.supervisor import agree_latest
-    print(json.dumps(agree_latest(sys.stdin.read(1 << 24).splitlines())))
+    lines = sys.stdin.read(1 << 24).splitlines()
+    agreed = agree_latest(lines)
+    if not agreed:  # no node's line read: each node would resolve alone, and may take another
+        print(f"{PROG} agree-latest: no node's latest-states line in {len(lines)} line(s) of input",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(agreed))
 
 
 def _part_send(a):

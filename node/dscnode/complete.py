@@ -17,6 +17,7 @@ over too: the shim's mark once any match anywhere is marked, and HF's trainer_st
 Trainer writes it last) in a folder the Trainer wrote its training_args.bin into, or once any
 match anywhere holds one."""
 import os
+import re
 
 from dscnode.rundir import append_line, read_tail
 
@@ -69,11 +70,18 @@ def match_state(path):
             "trainer_state": os.path.isfile(os.path.join(path, TRAINER_STATE))}
 
 
+def step_of(match):
+    """The last number in a match's name (checkpoint-40: 40, global_step8: 8), -1 where none."""
+    nums = re.findall(r"\d+", os.path.basename(match.rstrip("/")))
+    return int(nums[-1]) if nums else -1
+
+
 def newest_everywhere(states, nodes):
     """The newest match complete on every node, and why each newer one was passed over:
     (match or None, ["out/checkpoint-120 (node2: no trainer_state.json)", ...]). `states` holds
-    each node's {match: match_state}, newest first, in `nodes`' order; the first node's matches
-    are the candidates."""
+    each node's {match: match_state}, newest first, in `nodes`' order; the candidates are every
+    node's matches, newest first by the last number in the name (the first node's order where
+    that ties), so a match a node lacks is said whichever node comes first."""
     every = [s for node in states for s in node.values()]
     marks_used = any(s["marked"] for s in every)
     trainer_state_used = any(s["trainer_state"] for s in every)
@@ -87,8 +95,9 @@ def newest_everywhere(states, nodes):
             return f"no {TRAINER_STATE}"
         return None
 
+    candidates = sorted(dict.fromkeys(m for node in states for m in node), key=step_of, reverse=True)
     passed = []
-    for match in states[0]:
+    for match in candidates:
         gaps = [f"{node}: {why}" for node, node_states in zip(nodes, states, strict=True) if (why := lacks(node_states.get(match)))]
         if not gaps:
             return match, passed

@@ -225,8 +225,7 @@ def matches(pattern, cwd="."):
         return real.startswith(home + "/") and SHELL_SAFE.fullmatch(p)
 
     def key(p):
-        nums = re.findall(r"\d+", os.path.basename(p.rstrip("/")))
-        return (int(nums[-1]) if nums else -1, os.path.getmtime(os.path.join(cwd, p)))
+        return complete.step_of(p), os.path.getmtime(os.path.join(cwd, p))
     return sorted((p for p in glob.glob(pattern, root_dir=cwd) if inside(p)), key=key, reverse=True)[:MATCHES_LIMIT]
 
 

@@ -1,6 +1,7 @@
 """Which checkpoint tag a load without one takes (dscnode.complete): the newest complete on every
 node, from the marks the entry shim writes after each save. The shim's patch itself runs on two
 "nodes" of this machine in tests/local/test_train.py."""
+import io
 import json
 import os
 
@@ -169,6 +170,20 @@ def test_the_node_helpers_matches_refuses_a_glob_latest_would_not_take(tmp_path,
     with pytest.raises(SystemExit) as out:
         node_cli(["matches", pattern, "--cwd", str(tmp_path)])
     assert "is not a glob {latest:GLOB} allows" in str(out.value) and capsys.readouterr().out == ""
+
+
+def test_agree_latest_fails_where_it_reads_no_nodes_line(tmp_path, monkeypatch, capsys, node_cli):
+    """Every node's line run together (a literal backslash-n between them, as a template may
+    join them) is no node's: agree-latest fails, saying so, rather than agree on nothing."""
+    line = json.dumps(supervisor.latest_states(["out/checkpoint-*"], tmp_path, node="node1"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(line + "\\n" + line))
+    assert node_cli(["agree-latest"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "no node's latest-states line in 1 line(s) of input" in out.err
+    monkeypatch.setattr("sys.stdin", io.StringIO(line + "\n" + line.replace("node1", "node2")))
+    assert node_cli(["agree-latest"]) in (0, None)
+    assert json.loads(capsys.readouterr().out) == {"out/checkpoint-*": {
+        "path": "", "said": "[dsc_node] {latest:out/checkpoint-*}: none complete on every node, the run starts over"}}
 
 
 def test_a_link_leading_out_of_the_code_directory_is_no_match(tmp_path, capsys, node_cli):
