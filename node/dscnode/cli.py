@@ -25,7 +25,7 @@ built file). Every command prints one JSON object.
                                                #   finished save (the supervisor's pick on every node)
     dsc_node.pyz latest-states GLOB... --cwd DIR [--node NAME]
                                                # this node's matches of each glob as one line for
-    dsc_node.pyz agree-latest                  #   this, which reads every node's on stdin: {glob: the
+    dsc_node.pyz agree-latest --nodes N        #   this, which reads every node's on stdin: {glob: the
                                                #   newest complete on all} (no_ssh and slurm's start)
     dsc_node.pyz part-send SAVE_DIR TAG [--copy-of NODE]
                                                # this node's part of a node-local checkpoint (or its copy
@@ -166,8 +166,9 @@ def parser():
     p.add_argument("patterns", nargs="+")
     p.add_argument("--cwd", required=True)
     p.add_argument("--node", default="", help="this node's name in the inventory (default: Slurm's, else the host name)")
-    action("agree-latest", _agree_latest, "every node's latest-states lines on stdin: {glob: {path: the newest "
-                                          "match complete on all of them, said: why}}")
+    p = action("agree-latest", _agree_latest, "every node's latest-states lines on stdin: {glob: {path: the "
+                                              "newest match complete on all of them, said: why}}")
+    p.add_argument("--nodes", type=int, required=True, help="how many nodes the run starts on: each must have said")
     p = action("part-send", _part_send, "this node's part of a node-local checkpoint (or, with --copy-of, "
                                         "its copy of that node's part) as a tar stream on stdout")
     p.add_argument("save_dir")
@@ -282,10 +283,10 @@ def _latest_states(a):
 def _agree_latest(a):
     from dscnode.supervisor import agree_latest
     lines = sys.stdin.read(1 << 24).splitlines()
-    agreed = agree_latest(lines)
-    if not agreed:  # no node's line read: each node would resolve alone, and may take another
-        print(f"{PROG} agree-latest: no node's latest-states line in {len(lines)} line(s) of input",
-              file=sys.stderr)
+    agreed, nodes = agree_latest(lines)
+    if len(nodes) < a.nodes:  # an agreement without a node could take a checkpoint it lacks
+        print(f"{PROG} agree-latest: {len(nodes)} node(s) said what they hold ({', '.join(nodes) or 'none'}) "
+              f"in {len(lines)} line(s) of input, of the {a.nodes} the run starts on", file=sys.stderr)
         return 1
     print(json.dumps(agreed))
 

@@ -272,10 +272,10 @@ def latest_states(patterns, cwd=".", node=""):
 
 
 def agree_latest(lines):
-    """Every node's latest_states (JSON lines; the nodes in the order given) -> {glob: {path: the
+    """Every node's latest_states (JSON lines; the nodes in the order given) -> ({glob: {path: the
     newest match complete on every node ("" for none), said: what it took and passed over, as
-    newest_complete says it}}. A line that is not a node's states is left out: that node holds
-    nothing, so nothing is complete on every node."""
+    newest_complete says it}}, the nodes whose lines were read: a line that is not a node's states
+    is left out, and the caller refuses an agreement that misses a node)."""
     answers = []
     for line in lines:
         try:
@@ -289,7 +289,7 @@ def agree_latest(lines):
     for pattern in dict.fromkeys(p for a in answers for p in a["states"]):
         match, passed = complete.newest_everywhere([a["states"].get(pattern) or {} for a in answers], nodes)
         agreed[pattern] = {"path": match or "", "said": said_latest(pattern, match, nodes, passed)}
-    return agreed
+    return agreed, nodes
 
 
 def resolve_latest(argv, cwd=".", hosts=(), agreed=None):

@@ -131,14 +131,15 @@ def test_nodes_that_start_alone_agree_on_the_newest_checkpoint_complete_on_all(t
     checkpoint(master / "out", "checkpoint-40", "global_step40", trainer_state=True)
     checkpoint(worker / "out", "checkpoint-40")
     lines = [json.dumps(supervisor.latest_states(["out/checkpoint-*"], n, node=n.name)) for n in (worker, master)]
-    agreed = supervisor.agree_latest(lines)
+    agreed, nodes = supervisor.agree_latest(lines)
+    assert nodes == ["worker", "master"]
     assert agreed["out/checkpoint-*"]["path"] == "out/checkpoint-20"
     assert agreed["out/checkpoint-*"]["said"] == (
         "[dsc_node] {latest:out/checkpoint-*}: out/checkpoint-20, the newest complete on worker, master; "
         "passed over: out/checkpoint-40 (worker: DeepSpeed's part not marked complete)")
-    assert supervisor.agree_latest(lines[1:])["out/checkpoint-*"]["path"] == "out/checkpoint-40"  # the master alone
+    assert supervisor.agree_latest(lines[1:])[0]["out/checkpoint-*"]["path"] == "out/checkpoint-40"  # the master alone
     assert supervisor.agree_latest([lines[1], "srun: error: node2: task 0: Exited", "[]"]) == \
-        supervisor.agree_latest(lines[1:])
+        supervisor.agree_latest(lines[1:])  # a line that is no node's: the CLI refuses the agreement (below)
     argv = ["run_clm.py", "--resume_from_checkpoint", "{latest:out/checkpoint-*}"]
     capsys.readouterr()
     assert supervisor.resolve_latest(argv, master, agreed=agreed)[-1] == "out/checkpoint-20"
@@ -172,16 +173,20 @@ def test_the_node_helpers_matches_refuses_a_glob_latest_would_not_take(tmp_path,
     assert "is not a glob {latest:GLOB} allows" in str(out.value) and capsys.readouterr().out == ""
 
 
-def test_agree_latest_fails_where_it_reads_no_nodes_line(tmp_path, monkeypatch, capsys, node_cli):
-    """Every node's line run together (a literal backslash-n between them, as a template may
-    join them) is no node's: agree-latest fails, saying so, rather than agree on nothing."""
+def test_agree_latest_fails_where_a_node_did_not_say_what_it_holds(tmp_path, monkeypatch, capsys, node_cli):
+    """Without a node's line an agreement could take a checkpoint that node lacks: agree-latest
+    fails, naming those heard, where fewer nodes said what they hold than the run starts on (a
+    node's task failed; or the lines run together, a literal backslash-n between them, as a
+    template may join them)."""
     line = json.dumps(supervisor.latest_states(["out/checkpoint-*"], tmp_path, node="node1"))
-    monkeypatch.setattr("sys.stdin", io.StringIO(line + "\\n" + line))
-    assert node_cli(["agree-latest"]) == 1
-    out = capsys.readouterr()
-    assert out.out == "" and "no node's latest-states line in 1 line(s) of input" in out.err
+    for given, heard in ((line + "\\n" + line, "0 node(s) said what they hold (none) in 1 line(s)"),
+                         (line + "\nsrun: error: node2: task 1: Exited", "1 node(s) said what they hold (node1) in 2")):
+        monkeypatch.setattr("sys.stdin", io.StringIO(given))
+        assert node_cli(["agree-latest", "--nodes", "2"]) == 1
+        out = capsys.readouterr()
+        assert out.out == "" and heard in out.err and "of the 2 the run starts on" in out.err, out.err
     monkeypatch.setattr("sys.stdin", io.StringIO(line + "\n" + line.replace("node1", "node2")))
-    assert node_cli(["agree-latest"]) in (0, None)
+    assert node_cli(["agree-latest", "--nodes", "2"]) in (0, None)
     assert json.loads(capsys.readouterr().out) == {"out/checkpoint-*": {
         "path": "", "said": "[dsc_node] {latest:out/checkpoint-*}: none complete on every node, the run starts over"}}
 

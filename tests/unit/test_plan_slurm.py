@@ -138,7 +138,7 @@ def test_each_attempt_takes_the_latest_checkpoint_every_node_holds_complete():
     batch = run["files"]["slurm.sbatch"].splitlines()
     helper = p["helper"]
     assert (f"  agreed=$(srun --nodes=2 --ntasks-per-node=1 {helper} latest-states --cwd {run['workdir']} "
-            f"'out/checkpoint-*' | {helper} agree-latest) || agreed=''") in batch
+            f"'out/checkpoint-*' | {helper} agree-latest --nodes 2) || agreed=''") in batch
     asked, started = (next(i for i, x in enumerate(batch) if x.lstrip().startswith(w)) for w in ("agreed=$(", "srun --nodes=2"))
     assert batch.index("while :; do") < asked < started  # every attempt, the first too
     assert run["latest_globs"] == []

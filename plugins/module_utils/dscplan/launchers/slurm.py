@@ -117,7 +117,8 @@ def batch_files(plan, run_id, run_dir, workdir, commands, start_args, env, resta
         f"  port=$(srun --nodes=1 --ntasks=1 --nodelist={q(plan.master)} {q(plan.helper)} free-port "
         f"{plan.master_port_first} {plan.master_port_last}) || exit 3",
         *([f"  agreed=$(srun --nodes={plan.num_nodes} --ntasks-per-node=1 {q(plan.helper)} latest-states "
-           f"--cwd {q(workdir)} {' '.join(map(q, globs))} | {q(plan.helper)} agree-latest) || agreed=''"]
+           f"--cwd {q(workdir)} {' '.join(map(q, globs))} | {q(plan.helper)} agree-latest --nodes {plan.num_nodes}) "
+           f"|| agreed=''"]
           if globs else ["  agreed=''"]),
         f"  srun --nodes={plan.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
         f"/bin/bash {q(run_dir + '/' + RunDir.SLURM_TASK)} \"$port\" \"$attempt\" \"$agreed\" && exit 0",
