@@ -263,20 +263,24 @@ def _preflight(a):
     print(json.dumps(run[a.action](json.loads(os.environ.get("DSC_PREFLIGHT", "{}")))))
 
 
-def _matches(a):
+def allowed_globs(action, patterns):
+    """Refuse, before any file is looked at, a glob that {latest:GLOB} would not take (it leaves
+    the code directory, holds shell characters or a newline)."""
     from dscnode.safe import latest_glob
+    for pattern in patterns:
+        if latest_glob("{latest:" + pattern + "}") != pattern:
+            raise SystemExit(f"dsc_node {action}: {pattern!r} is not a glob {{latest:GLOB}} allows")
+
+
+def _matches(a):
     from dscnode.supervisor import match_states
-    if latest_glob("{latest:" + a.pattern + "}") != a.pattern:
-        raise SystemExit(f"dsc_node matches: {a.pattern!r} is not a glob {{latest:GLOB}} allows")
+    allowed_globs("matches", [a.pattern])
     print(json.dumps(match_states(a.pattern, a.cwd)))
 
 
 def _latest_states(a):
-    from dscnode.safe import latest_glob
     from dscnode.supervisor import latest_states
-    bad = [g for g in a.patterns if latest_glob("{latest:" + g + "}") != g]
-    if bad:
-        raise SystemExit(f"dsc_node latest-states: {bad[0]!r} is not a glob {{latest:GLOB}} allows")
+    allowed_globs("latest-states", a.patterns)
     print(json.dumps(latest_states(a.patterns, a.cwd, a.node)))
 
 

@@ -164,13 +164,16 @@ def node_cli():
 
 @pytest.mark.parametrize("pattern", ["../out/checkpoint-*", "out/../../etc/*", "out/x;id", "out/$(id)",
                                      "out/checkpoint-*\n", "#jinja2: x", "/etc/*"])
-def test_the_node_helpers_matches_refuses_a_glob_latest_would_not_take(tmp_path, pattern, capsys, node_cli):
-    """`dsc_node.pyz matches` runs what the supervisor sends it through pdsh: a glob that
-    {latest:GLOB} refuses (leaving the code directory, shell characters, a newline) is refused
-    there too, before any file is looked at."""
+@pytest.mark.parametrize("action", [["matches"], ["latest-states", "out/checkpoint-*"]])
+def test_the_node_helpers_matches_refuses_a_glob_latest_would_not_take(tmp_path, pattern, action, capsys, node_cli):
+    """`dsc_node.pyz matches` runs what the supervisor sends it through pdsh, and `latest-states`
+    what the runs role and slurm's batch job pass it (beside a glob it allows): a glob that
+    {latest:GLOB} refuses (leaving the code directory, shell characters, a newline, a Jinja
+    header) is refused there too, before any file is looked at."""
     with pytest.raises(SystemExit) as out:
-        node_cli(["matches", pattern, "--cwd", str(tmp_path)])
-    assert "is not a glob {latest:GLOB} allows" in str(out.value) and capsys.readouterr().out == ""
+        node_cli([*action, pattern, "--cwd", str(tmp_path)])
+    assert f"dsc_node {action[0]}: {pattern!r} is not a glob {{latest:GLOB}} allows" in str(out.value)
+    assert capsys.readouterr().out == ""
 
 
 def test_agree_latest_fails_where_a_node_did_not_say_what_it_holds(tmp_path, monkeypatch, capsys, node_cli):
