@@ -159,8 +159,10 @@ def down():
 
 # Default capabilities plus what ufw needs: no SYS_PTRACE, as on restricted real nodes (root
 # there cannot read other users' /proc/PID/environ; the toolkit must not rely on it).
-def start(name, hostname, ip, ip6, port, image=IMAGE):
+def start(name, hostname, ip, ip6, port, image=IMAGE, volumes=()):
+    """`volumes`: podman's name:path, a folder the nodes started with it share (a shared filesystem)."""
     sh("podman", "run", "-d", "--name", name, "--hostname", hostname, "--env", f"DSC_NODE_ID={name}-{time.time_ns()}",
+       *(a for v in volumes for a in ("--volume", v)),
        "--network", NETWORK, "--ip", ip, "--ip6", ip6, "--no-hosts",
        "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW",
        "--cap-add", "AUDIT_WRITE", "--shm-size", "1g", "--init",

@@ -187,6 +187,9 @@ class Checkpoints:
         self.engine, self.cfg, self.ckpt_dir = engine, cfg, ckpt_dir
         self.local_rank, self.world, self.n_params = local_rank, world, n_params
         self.node = os.uname().nodename
+        # Who marks each checkpoint complete and prunes: each node's local rank 0 its node's, and
+        # global rank 0 alone where every node saves to one shared directory (not node-local).
+        self.keeper = local_rank == 0 and (engine.use_node_local_storage() or torch.distributed.get_rank() == 0)
 
     def check_space(self, tag):
         """Each node's local rank 0 compares the free space at the checkpoint dir with what the
@@ -219,7 +222,7 @@ class Checkpoints:
                                     client_state={"step": step, "data_position": step,
                                                   "config": cfg.to_dict()})
         torch.distributed.barrier()
-        if self.local_rank == 0:
+        if self.keeper:
             # Written on every node only after every rank has saved and the checkpoint is on
             # stable storage: the marker is what makes a checkpoint "complete"; a write
             # interrupted before it (or lost with the page cache) is never resumed from.
@@ -227,7 +230,7 @@ class Checkpoints:
             fsync_path(ckpt_dir, directory=True)
             mark_complete(ckpt_dir / tag, json.dumps({"step": step, "time": time.time()}), self.node)
         torch.distributed.barrier()
-        if self.local_rank == 0:
+        if self.keeper:
             # Past the second barrier the marker is on every node: older checkpoints can go.
             removed, failed = prune(ckpt_dir, cfg.keep_checkpoints, step)
             if removed:

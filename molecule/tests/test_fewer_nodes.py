@@ -1,8 +1,9 @@
 """dsc_min_nodes on three more nodes of the test network, started from the provisioned image (the
 main cluster's network, control key and image) and made one cluster by `provision.yml --tags
 network`: a ZeRO-2 run goes on on two nodes when one is stopped with podman stop and takes it in
-again at a resume; a ZeRO-3 run goes on on the other two at resume.yml when the master is
-stopped. The ZeRO-2 run goes on from a checkpoint older than its last step: the steps it trains
+again at a resume; a ZeRO-2 run saving to a directory the three share (a podman volume,
+dsc_checkpoint_shared_dir) goes on on two from its one copy; a ZeRO-3 run goes on on the other
+two at resume.yml when the master is stopped. The ZeRO-2 run goes on from a checkpoint older than its last step: the steps it trains
 again on two nodes, at the same global batch, give the losses the three nodes gave them. A file of its
 own: its nodes beside the cluster's, on whichever worker is free. (Without dsc_min_nodes a lost
 node fails the run: test_faults.py's dead worker.)"""
@@ -13,7 +14,7 @@ import time
 import pytest
 
 import cluster as tc
-from dscnode import records
+from dscnode import complete, records
 from cluster import TINY, UNTIL_STOPPED, wait
 
 NODES = [{"name": f"few{i}", "ip": tc.addr(60 + i), "ip6": tc.addr6(60 + i), "port": 22} for i in (1, 2, 3)]
@@ -24,15 +25,26 @@ RUNS = tc.RUNS
 LOSS_TOLERANCE = 1e-3
 
 
+# A podman volume every node mounts at /shared: the shared filesystem of dsc_checkpoint_shared_dir.
+VOLUME, SHARED = "dsc-few-shared", "/shared/ckpt"
+
+
 @pytest.fixture(scope="module")
 def three(cluster, node_image, tmp_path_factory):
-    """The three nodes as a cluster of their own: their names, SSH trust and firewall."""
+    """The three nodes as a cluster of their own: their names, SSH trust and firewall, and a
+    folder they share (SHARED, the training user's)."""
     where = tmp_path_factory.mktemp("fewer")
-    with tc.extra_nodes(NODES, where, lambda c, h: tc.start(c, h["name"], h["ip"], h["ip6"], 22, node_image[0])) as inventory:
-        nodes = tc.Cluster({"hosts": NODES}, inventory=inventory, known_hosts=where / "known_hosts")
-        r = nodes.playbook("provision.yml", "--tags", "network")
-        assert r.returncode == 0, r.output[-5000:]
-        yield nodes
+    subprocess.run(["podman", "volume", "rm", "-f", VOLUME], check=False, capture_output=True)
+    try:
+        with tc.extra_nodes(NODES, where, lambda c, h: tc.start(c, h["name"], h["ip"], h["ip6"], 22, node_image[0],
+                                                                volumes=[f"{VOLUME}:/shared"])) as inventory:
+            nodes = tc.Cluster({"hosts": NODES}, inventory=inventory, known_hosts=where / "known_hosts")
+            r = nodes.playbook("provision.yml", "--tags", "network")
+            assert r.returncode == 0, r.output[-5000:]
+            nodes.exec(nodes.names[0], f"install -d -o dstrain -g dstrain -m 0750 {SHARED}")
+            yield nodes
+    finally:
+        subprocess.run(["podman", "volume", "rm", "-f", VOLUME], check=False, capture_output=True)
 
 
 def last(nodes, node, name, run):
@@ -94,20 +106,25 @@ def stop(node):
     subprocess.run(["podman", "stop", "-t", "0", tc.PREFIX + node], check=True, capture_output=True)
 
 
-def launched(nodes, run, preset):
+def launched(nodes, run, preset, *args):
     """A run on the three nodes with dsc_min_nodes=2, one rank each, micro-batch 2 x accumulation
-    2 (global batch 12), once a checkpoint's parts are kept on every node. A save every 2 s or so;
-    a copy takes about 1 s, so about every 5th is copied (the copier's pace: a tenth of the time),
-    and retention keeps the last 20: a copied one stays."""
+    2 (global batch 12), once a checkpoint's parts are kept on every node (or, `args` naming
+    dsc_checkpoint_shared_dir, once one is marked complete there). A save every 2 s or so; a copy
+    takes about 1 s, so about every 5th is copied (the copier's pace: a tenth of the time), and
+    retention keeps the last 20: a copied one stays."""
     r = nodes.playbook(
         "launch.yml", "-e", f"preset={preset}", "-e", f"run_id={run}", "-e", "preflight=false",
         "-e", "dsc_micro_batch=2", "-e", "dsc_grad_accum=2", "-e", "max_restarts=1", "-e", "restart_backoff_s=1",
-        "-e", "dsc_min_nodes=2",
+        "-e", "dsc_min_nodes=2", *args,
         "-e", json.dumps({"dsc_train_config": dict(TINY, **UNTIL_STOPPED, save_every=20, keep_checkpoints=20)}))
     assert r.returncode == 0, r.output[-5000:]
     config = json.loads(nodes.exec(nodes.names[0], f"cat {RUNS}/{run}/ds_config.json").stdout)
     assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (12, 2), config
-    kept_on_all(nodes, nodes.names[0], 3, run)
+    if any(a.startswith("dsc_checkpoint_shared_dir=") for a in args):
+        wait(lambda: nodes.exec(nodes.names[1], f"cat {SHARED}/{run}/{complete.MARKS} 2>/dev/null || true").stdout.strip(),
+             240, "a checkpoint marked complete in the shared directory")
+    else:
+        kept_on_all(nodes, nodes.names[0], 3, run)
 
 
 def stopped_everywhere(nodes, run, down, tmp_path):
@@ -168,6 +185,50 @@ def test_a_zero2_run_goes_on_on_two_of_three_nodes_and_takes_the_third_back(thre
         log = three.exec(first, f"cat {RUNS}/{run}/launcher.log").stdout
         assert f"continued on 3 of 3 nodes with {third} taken in again, from checkpoint {back['checkpoint']}" in log
         figures("node lost, taken back", said=[records.continued(r) for r in (record, back)])
+    finally:
+        stopped_everywhere(three, run, down, tmp_path)
+
+
+def test_a_run_saving_to_a_shared_directory_goes_on_on_two_nodes_from_its_one_copy(three, figures, tmp_path):
+    """dsc_checkpoint_shared_dir: a folder each node has of its own is refused before anything
+    starts, naming the nodes that do not see the master's mark. On the volume the three share,
+    DeepSpeed saves each checkpoint once (no copies kept); few3 stopped, the master's supervisor
+    converts the newest checkpoint marked there in place, and the run goes on on few1 and few2
+    from it at global batch 12."""
+    run = "few-s"
+    first, second, third = (h["name"] for h in NODES)
+    own = "/tmp/not-shared"
+    refused = three.playbook("launch.yml", "-e", "preset=zero2", "-e", f"run_id={run}", "-e", "preflight=false",
+                             "-e", f"dsc_checkpoint_shared_dir={own}", "-e", json.dumps({"dsc_train_config": TINY}))
+    assert refused.returncode != 0
+    for node in (second, third):
+        assert (f"dsc_checkpoint_shared_dir {own} on {node} is not the directory {first} has there"
+                in refused.output), refused.output[-3000:]
+    assert f"on {first} is not the directory" not in refused.output
+    for node in three.names:
+        assert three.exec(node, f"test ! -e {RUNS}/{run} && ls -A {own} 2>/dev/null | wc -l").stdout.strip() == "0"
+    down = None
+    try:
+        launched(three, run, "zero2", "-e", f"dsc_checkpoint_shared_dir={SHARED}")
+        config = json.loads(three.exec(first, f"cat {RUNS}/{run}/ds_config.json").stdout)
+        assert config["checkpoint"] == {"use_node_local_storage": False}
+        lost_at, down = time.time(), third
+        stop(third)
+        record = regrouped(three, first, lost_at, run)
+        assert (record["lost"], record["nodes"], record["world"], record["train_batch"], record["grad_accum"]) == (
+            [third], [first, second], 2, 12, 3), record
+        went_on = step_after(three, first, record["time"], run)
+        assert went_on["step"] == record["from_step"] + 1, (went_on, record)
+        tag = record["checkpoint"]
+        log = three.exec(first, f"cat {RUNS}/{run}/launcher.log").stdout
+        assert f"resume: loaded {SHARED}/{run}/{tag} (step {record['from_step']})" in log, log[-3000:]
+        mark = json.loads(three.exec(second, f"cat {SHARED}/{run}/{tag}/{complete.UNIVERSAL}").stdout)
+        assert (mark["lost"], mark["to"]) == ([third], [first, second]), mark
+        assert "kept on the next node" not in log and not three.exec(
+            first, f"find {SHARED}/{run} -name .dsc_parts").stdout.strip()
+        converted = [x for x in log.splitlines() if f"checkpoint {tag} converted for 2 ranks" in x]
+        figures("shared directory, node lost", seconds_to_next_step=round(went_on["time"] - lost_at, 1),
+                converted=converted[-1][len("[dsc_node] "):])
     finally:
         stopped_everywhere(three, run, down, tmp_path)
 

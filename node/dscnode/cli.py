@@ -33,6 +33,9 @@ built file). Every command prints one JSON object.
     dsc_node.pyz part-receive SAVE_DIR TAG [--from NODE]
                                                #   into this on the node that keeps it (dscnode.copies)
     dsc_node.pyz part-held SAVE_DIR            # the checkpoints complete here and the copies kept here
+    dsc_node.pyz shared-dir DIR (--mark | --seen TOKEN | --unmark TOKEN)
+                                               # dsc_checkpoint_shared_dir: the master's mark, found (or
+                                               #   not) on every node before a start, removed
     dsc_node.pyz universal-send SAVE_DIR TAG   # the universal checkpoint converted here (dscnode.shrink)
     dsc_node.pyz universal-receive SAVE_DIR TAG  # installed as the tag folder here, from stdin
     dsc_node.pyz procs RUN_ID                  # processes that carry DSC_RUN_ID=RUN_ID
@@ -182,6 +185,13 @@ def parser():
     p = action("part-held", _part_held, "the checkpoints of a save directory marked complete here, and "
                                         "the other nodes' parts kept here")
     p.add_argument("save_dir")
+    p = action("shared-dir", _shared_dir, "dsc_checkpoint_shared_dir before a start: write a mark in it (the "
+                                          "master), say whether this node sees it, remove it")
+    p.add_argument("folder")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--mark", action="store_true")
+    which.add_argument("--seen", default="")
+    which.add_argument("--unmark", default="")
     p = action("universal-send", _universal_send, "the universal checkpoint converted here (continuing on fewer "
                                                   "nodes) as a tar stream on stdout")
     p.add_argument("save_dir")
@@ -309,6 +319,11 @@ def _part_held(a):
     from dscnode.copies import checked, held
     checked(a.save_dir)
     print(json.dumps(held(a.save_dir)))
+
+
+def _shared_dir(a):
+    from dscnode.copies import shared_dir
+    print(json.dumps(shared_dir(a.folder, mark=a.mark, seen=a.seen, unmark=a.unmark)))
 
 
 def _universal_send(a):

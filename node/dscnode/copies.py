@@ -28,7 +28,7 @@ import time
 
 from dscnode import complete, program
 from dscnode.procs import on_others
-from dscnode.rundir import RunDir, append_line, last_lines
+from dscnode.rundir import RunDir, append_line, last_lines, write_atomic
 from dscnode.safe import SHELL_SAFE
 
 PARTS = ".dsc_parts"  # in a tag folder: the copies of other nodes' parts, a folder each
@@ -253,6 +253,50 @@ def saves(run):
             if isinstance(s.get("save_dir"), str) and isinstance(s.get("tag"), str)]
 
 
+def shared_save(save):
+    """A save to a shared directory (dsc_checkpoint_shared_dir): one copy that every node reads,
+    nothing to keep elsewhere (saves recorded before the flag were all node-local)."""
+    return save.get("node_local") is False
+
+
+SHARED_MARK = ".dsc_shared_"  # + a token: the master's mark in dsc_checkpoint_shared_dir
+TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def shared_dir(folder, mark=False, seen="", unmark="", wait_s=10.0):
+    """dsc_checkpoint_shared_dir, checked before a start: `mark` writes a file of a new token in it
+    (created where missing; the master's), `seen` says whether a node finds that file there (for
+    up to wait_s: a network filesystem may show it late), `unmark` removes it. {token} or {seen}."""
+    folder = checked(folder)
+    if os.path.islink(folder):
+        refuse("the shared checkpoint directory (a link)", folder)
+    if mark:
+        import secrets  # noqa: PLC0415 - this action alone
+        os.makedirs(folder, mode=0o750, exist_ok=True)
+        token = secrets.token_hex(16)
+        write_atomic(os.path.join(folder, SHARED_MARK + token), token + "\n")
+        return {"token": token}
+    token = seen or unmark
+    if not TOKEN.fullmatch(token):
+        refuse("the mark", token)
+    path = os.path.join(folder, SHARED_MARK + token)
+    if unmark:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return {"removed": True}
+    deadline = time.time() + wait_s
+    while not os.path.isfile(path) and time.time() < deadline:
+        time.sleep(0.5)
+    return {"seen": os.path.isfile(path)}
+
+
+def node_local_saves(run):
+    """The recorded saves each node holds a part of."""
+    return [s for s in saves(run) if not shared_save(s)]
+
+
 class Copier:
     """The supervisor's copies of the run's saves: the newest save recorded (SAVES) not yet copied
     is copied in a thread of its own, one at a time, copying at most DUTY of the time (a save
@@ -267,7 +311,7 @@ class Copier:
         self.waiting, self.thread, self.next_at = None, None, 0.0
 
     def saves(self):
-        return saves(self.run)
+        return node_local_saves(self.run)
 
     def poll(self, ended=False):
         """Take the newest save recorded; copy the one waiting where no copy runs, the run has
@@ -314,7 +358,7 @@ def restore(run, hosts):
     The lines said in the launcher log."""
     hosts = list(hosts)
     recorded = saves(run)
-    if len(hosts) < 2 or not recorded:
+    if len(hosts) < 2 or not recorded or shared_save(recorded[-1]):
         return
     save_dir = recorded[-1]["save_dir"]
     try:

@@ -156,8 +156,8 @@ class EngineWatch:
                 if save_latest and engine.global_rank != 0:
                     write_atomic(Path(save_dir) / "latest", str(tag))
                 complete.mark(save_dir, tag)
-            if engine.local_rank == 0 and engine.use_node_local_storage():
-                hook.record_save(save_dir, tag, engine.global_steps)
+            if engine.local_rank == 0:  # on every node: a later master reads it (a shared save too)
+                hook.record_save(save_dir, tag, engine.global_steps, engine.use_node_local_storage())
             return out
 
         def agreed_load(engine, load_dir, tag=None, *args, **kwargs):
@@ -185,12 +185,14 @@ class EngineWatch:
         engine_class.save_checkpoint, engine_class.load_checkpoint = node_local_save, agreed_load
         atexit.register(lambda: self.step != self.written_step and self.write())
 
-    def record_save(self, save_dir, tag, step):
-        """A node-local save, for the supervisor to keep each node's part of it on another node too
-        (dscnode.copies), once the run has logged a later step or ended."""
+    def record_save(self, save_dir, tag, step, node_local):
+        """A save: a node-local one for the supervisor to keep each node's part of it on another
+        node too (dscnode.copies), once the run has logged a later step or ended; either kind for
+        a run that goes on on fewer nodes (dscnode.shrink) to find its newest checkpoint."""
         try:
             append_line(self.path.parent / RunDir.SAVES, json.dumps(
-                {"save_dir": os.path.abspath(save_dir), "tag": str(tag), "step": step, "time": round(time.time(), 1)}))
+                {"save_dir": os.path.abspath(save_dir), "tag": str(tag), "step": step,
+                 "node_local": bool(node_local), "time": round(time.time(), 1)}))
         except OSError:
             pass
 

@@ -16,7 +16,10 @@ master's supervisor drops it and restarts on the others, as long as dsc_min_node
    taken for the survivors.
 A resume that starts the run on other nodes than it last ran on (a lost node back in the
 inventory, or one left out of it: the master too, the next node then the master) converts the
-newest checkpoint the same way first, the master's supervisor at its start (regroup)."""
+newest checkpoint the same way first, the master's supervisor at its start (regroup).
+Where checkpoints go to a directory every node shares (dsc_checkpoint_shared_dir) the newest
+marked complete there is converted in place: its parts are all there, and the universal
+checkpoint installed once is every survivor's."""
 import json
 import os
 import shutil
@@ -25,7 +28,7 @@ import sys
 import time
 
 from dscnode import complete
-from dscnode.copies import PARTS, checked, helper, part_files, relay, ring, saves, send_folder, unpack
+from dscnode.copies import PARTS, checked, helper, part_files, relay, ring, saves, send_folder, shared_save, unpack
 from dscnode.procs import on_others
 from dscnode.records import continued
 from dscnode.rundir import RunDir, append_line, last_line, read_json, read_text, write_atomic
@@ -239,17 +242,22 @@ def regroup(run, cmd, source, nodes, held_by, env, lost_at=None):
     step = tag = None
     if recorded:
         save_dir, here = recorded[-1]["save_dir"], nodes[0]
-        tag = convertible(held_by, source, lost)
+        # A shared directory (dsc_checkpoint_shared_dir) holds every part of a checkpoint once:
+        # nothing to gather, and the universal checkpoint installed here is every node's.
+        shared = shared_save(recorded[-1])
+        tag = (complete.tags(checked(save_dir)) or [None])[-1] if shared else convertible(held_by, source, lost)
         if tag is None:
-            raise Refused(f"no checkpoint in {save_dir} is complete on {', '.join(n for n in source if n not in lost)}"
-                          + (f" with a copy of {', '.join(lost)}'s part on one of them" if lost else ""))
+            raise Refused(f"no checkpoint in {save_dir} is " + ("marked complete" if shared else
+                          f"complete on {', '.join(n for n in source if n not in lost)}"
+                          + (f" with a copy of {', '.join(lost)}'s part on one of them" if lost else "")))
         started = time.time()
-        stage = gather(save_dir, tag, source, lost, held_by, here)
+        stage = checked(save_dir, tag) if shared else gather(save_dir, tag, source, lost, held_by, here)
         out = os.path.join(save_dir, STAGE, tag)
         python = os.path.join(os.path.dirname(cmd[0]), "python")
         seconds = convert(python, stage, out, {"tag": tag, "from": source, "to": nodes, "lost": lost})
-        shutil.rmtree(stage, ignore_errors=True)
-        for node in nodes[1:]:
+        if not shared:
+            shutil.rmtree(stage, ignore_errors=True)
+        for node in [] if shared else nodes[1:]:
             got, error = relay(helper(here, here, "universal-send", save_dir, tag),
                                helper(node, here, "universal-receive", save_dir, tag))
             if not got:

@@ -149,3 +149,35 @@ def test_the_copier_copies_a_save_once_the_run_moved_on_at_its_pace_and_the_last
     assert [tag for tag, _ in copied] == ["step1", "step4", "step5"]
     assert copied[1][1] >= 0.8 and copied[2][1] < copied[1][1] + 0.8, copied  # the last: unpaced
     assert not copies.Copier(run, ["node1"]).enabled  # one node: nowhere else to keep a part
+
+
+def test_a_save_to_a_shared_directory_is_never_copied_nor_put_back(tmp_path, monkeypatch):
+    """dsc_checkpoint_shared_dir: the entry shim records each save as not node-local; the copier
+    takes none of them and restore asks no node (every node reads the one copy)."""
+    run = RunDir(tmp_path)
+    monkeypatch.setattr(copies, "keep_copies", lambda *a: pytest.fail("a shared save was copied"))
+    monkeypatch.setattr(copies, "survey", lambda *a: pytest.fail("restore asked the nodes"))
+    copier = copies.Copier(run, ["node1", "node2"], logged_step=lambda: 9)
+    with open(run / RunDir.SAVES, "a") as f:
+        f.write(json.dumps({"save_dir": "/shared/r1", "tag": "step1", "step": 1, "node_local": False}) + "\n")
+    copier.finish(timeout=2)
+    copies.restore(run, ["node1", "node2"])
+    assert copies.saves(run) and not copies.node_local_saves(run)
+
+
+def test_the_shared_directory_check_finds_the_masters_mark_only_where_the_directory_is_the_same(tmp_path):
+    """shared-dir: the master's mark (a new token each time) is seen through the same directory,
+    not in another one (a node that mounts nothing there); removed after; a link or a mark that
+    is no token is refused."""
+    shared, elsewhere = tmp_path / "shared" / "ckpt", tmp_path / "local"
+    token = json.loads(helper("shared-dir", shared, "--mark").stdout)["token"]
+    assert shared.is_dir() and (shared / f".dsc_shared_{token}").read_text() == token + "\n"
+    assert json.loads(helper("shared-dir", shared, "--seen", token).stdout) == {"seen": True}
+    assert copies.shared_dir(str(elsewhere), seen=token, wait_s=0.2) == {"seen": False}
+    assert json.loads(helper("shared-dir", shared, "--mark").stdout)["token"] != token
+    helper("shared-dir", shared, "--unmark", token)
+    assert not (shared / f".dsc_shared_{token}").exists()
+    (tmp_path / "link").symlink_to(shared)
+    for args in ([tmp_path / "link", "--mark"], [shared, "--seen", "../x"], [shared, "--seen", "a" * 31]):
+        r = helper("shared-dir", *args)
+        assert r.returncode != 0 and "is refused" in r.stderr, (args, r.stderr)

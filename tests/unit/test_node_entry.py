@@ -370,10 +370,11 @@ def test_a_ranks_peaks_are_labelled_with_the_ladder_step_its_command_names(tmp_p
     assert (stepped["preset"], stepped["micro_batch"], stepped["predicted"]) == ("zero2", 8, 1)
 
 
-def test_each_nodes_local_rank_0_records_each_node_local_save_for_the_supervisor_to_copy(tmp_path):
-    """saves.jsonl, what the supervisor copies to other nodes (dscnode.copies): each node-local
-    save, recorded by the node's local rank 0 when DeepSpeed's save returns (each node's run
-    directory its own), never by another rank, nor where checkpoints are on shared storage."""
+def test_each_nodes_local_rank_0_records_each_save_and_whether_it_is_node_local(tmp_path):
+    """saves.jsonl, what the supervisor copies to other nodes (dscnode.copies, node-local saves
+    alone) and converts for fewer nodes (dscnode.shrink): each save, recorded by the node's local
+    rank 0 when DeepSpeed's save returns (each node's run directory its own), never by another
+    rank; a save to shared storage (dsc_checkpoint_shared_dir) said not node-local."""
     run, ckpt = tmp_path / "r1", tmp_path / "ckpt"
     run.mkdir()
     ckpt.mkdir()
@@ -393,4 +394,5 @@ def test_each_nodes_local_rank_0_records_each_node_local_save_for_the_supervisor
     second.save_checkpoint(str(ckpt), tag="step1")  # the master's second rank
     shared.save_checkpoint(str(ckpt), tag="step2")
     saves = [json.loads(x) for x in (run / rundir.RunDir.SAVES).read_text().splitlines()]
-    assert [(s["save_dir"], s["tag"], s["step"]) for s in saves] == [(str(ckpt), "step1", 1)]
+    assert [(s["save_dir"], s["tag"], s["step"], s["node_local"]) for s in saves] == [
+        (str(ckpt), "step1", 1, True), (str(ckpt), "step2", 0, False)]

@@ -238,7 +238,8 @@ def test_resume_refuses_each_option_only_a_launch_applies_naming_it():
               "dsc_ds_config_overrides": {"zero_optimization": {"stage": 1}}, "dsc_ds_config_mode": "hf",
               "dsc_ds_config_file": "/srv/ds.json", "dsc_ds_config_arg": "--deepspeed", "dsc_tensorboard": True,
               "dsc_train_config": {"steps": 100}, "dsc_model_shape": {"layers": 2}, "dsc_auto_memory_gib": 40,
-              "dsc_code_shared": True, "dsc_code_dir": str(ROOT / "train"), "dsc_min_nodes": 1}
+              "dsc_code_shared": True, "dsc_code_dir": str(ROOT / "train"), "dsc_min_nodes": 1,
+              "dsc_checkpoint_shared_dir": "/shared/ckpt"}
     assert set(values) == set(dscplan.LAUNCH_ONLY) | {"dsc_code_dir"}
     for name, value in values.items():
         p, errors = resume_with_e({name: value})

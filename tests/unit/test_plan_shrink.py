@@ -90,6 +90,47 @@ def test_a_run_that_could_not_go_on_is_refused_at_launch_naming_why_and_the_fix(
     assert p is None and any(e.startswith("dsc_min_nodes=2: ") and needle in e for e in errors), errors
 
 
+def test_a_shared_checkpoint_directory_takes_the_place_of_copies_and_train_run_saves_there():
+    """dsc_checkpoint_shared_dir: DeepSpeed saves each checkpoint once (not node-local), train.run's
+    checkpoint_dir is <dir>/<run id> (launch.json keeps it for resume), the roles check the
+    directory on every node, and a run may go on on fewer nodes without copies."""
+    options = dict(GO_ON, dsc_min_nodes=2, dsc_checkpoint_copies=False, dsc_checkpoint_shared_dir="/shared/ckpt",
+                   run_id="r1", dsc_train_config={"steps": 10})
+    p, errors = plan(3, options=options, full_run=True)
+    assert errors == []
+    files = p["run"]["files"]
+    for name in ("ds_config.json", "ds_config.world4.json"):
+        assert json.loads(files[name])["checkpoint"] == {"use_node_local_storage": False}
+    assert json.loads(files["train.json"]) == {"steps": 10, "checkpoint_dir": "/shared/ckpt/r1"}
+    assert json.loads(files["launch.json"])["dsc_train_config"]["checkpoint_dir"] == "/shared/ckpt/r1"
+    assert p["run"]["checkpoint_shared_dir"] == "/shared/ckpt"
+    own = dict(options, dsc_train_config={"steps": 10, "checkpoint_dir": "/shared/mine"})
+    assert json.loads(plan(3, options=own, full_run=True)[0]["run"]["files"]["train.json"])["checkpoint_dir"] == "/shared/mine"
+    p, errors = plan(3, options=dict(GO_ON, run_id="r1"), full_run=True)
+    assert p["run"]["checkpoint_shared_dir"] == "" and "checkpoint_dir" not in json.loads(p["run"]["files"]["train.json"])
+    assert json.loads(p["run"]["files"]["ds_config.json"])["checkpoint"] == {"use_node_local_storage": True}
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("shared/ckpt", "is 'shared/ckpt', not an absolute path"),
+    ("/shared/../etc/ckpt", "Fix: an absolute path of letters, digits"),
+    ("/shared/ck pt;rm", "Fix: an absolute path of letters, digits"),
+    ("/etc", "in the system tree /etc"),
+])
+def test_a_shared_checkpoint_directory_that_is_no_safe_absolute_path_is_refused(value, needle):
+    p, errors = plan(3, options=dict(GO_ON, dsc_checkpoint_shared_dir=value), full_run=True)
+    assert p is None and any(e.startswith("dsc_checkpoint_shared_dir (where every node saves its checkpoints) is ")
+                             and needle in e for e in errors), errors
+
+
+def test_a_shared_checkpoint_directory_with_a_config_that_saves_node_local_is_refused():
+    overrides = {"checkpoint": {"use_node_local_storage": True}}
+    p, errors = plan(3, options=dict(GO_ON, dsc_checkpoint_shared_dir="/shared/ckpt", dsc_ds_config_overrides=overrides),
+                     full_run=True)
+    assert p is None and any("sets checkpoint.use_node_local_storage true" in e and
+                             "Fix: drop that key, or dsc_checkpoint_shared_dir." in e for e in errors), errors
+
+
 def test_a_resume_with_a_node_that_does_not_answer_goes_on_on_the_others_as_dsc_min_nodes_allows():
     """resume.yml with node1, the master, not answering (its probe gave no report): the run's
     launch spec, read on node2, says dsc_min_nodes 1, so the plan is made for node2 and node3

@@ -398,7 +398,7 @@ def ladder_record(plan, launcher_why, opt, options, paths, mode, ladder, overrid
                              plan.world_size, Problems())
         if cfg is None:
             return None
-        run_sections(cfg, run_dir, as_bool(opt["dsc_tensorboard"]))
+        run_sections(cfg, run_dir, as_bool(opt["dsc_tensorboard"]), node_local=not opt["dsc_checkpoint_shared_dir"])
         steps.append({"preset": c["preset"], "micro_batch": c["micro_batch"],
                       "grad_accum": c["batch"]["grad_accum"], "train_batch": c["batch"]["train_batch"],
                       "predicted": c["predicted"], "ds_config": cfg})

@@ -160,15 +160,15 @@ def read_user_config(path, problems):
     return cfg
 
 
-def run_sections(config, run_dir, tensorboard):
+def run_sections(config, run_dir, tensorboard, node_local=True):
     """What the toolkit adds to a run's ds_config, whatever its mode: DeepSpeed's csv monitor
     (lr, samples) unless the config has a monitor of its own, TensorBoard when asked (event files
     in the run directory, fetched by logs.yml), and node-local checkpoint storage unless the config
     says otherwise (run directories are per node: each node's local rank 0 saves the shared
-    state; a shared filesystem sets it false in its own config)."""
+    state), or `node_local` is false (dsc_checkpoint_shared_dir: global rank 0 saves it once)."""
     if not any(k in config for k in MONITORS):
         config["csv_monitor"] = {"enabled": True, "output_path": f"{run_dir}/{RunDir.MONITOR}/", "job_name": "ds"}
     if tensorboard:
         config["tensorboard"] = {"enabled": True, "output_path": f"{run_dir}/{RunDir.TENSORBOARD}/", "job_name": "ds"}
     if "use_node_local_storage" not in config.get("checkpoint", {}):
-        config["checkpoint"] = dict(config.get("checkpoint", {}), use_node_local_storage=True)
+        config["checkpoint"] = dict(config.get("checkpoint", {}), use_node_local_storage=node_local)

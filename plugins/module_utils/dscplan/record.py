@@ -119,6 +119,7 @@ class RunRecord:
     commands: dict[str, list[str]]  # {node: the DeepSpeed launcher's argv} where the launch mode starts one
     start_args: dict[str, list[str]]  # {node: the node helper's start options}
     latest_globs: list[str]  # the {latest:GLOB}s every node is asked for before the start (no_ssh mode's)
+    checkpoint_shared_dir: str  # dsc_checkpoint_shared_dir: every node must see it ("": node-local)
     code_archive: str  # the code as base64 tar.gz ("" when shared or on resume)
     files: dict[str, str]  # the run directory's files (name -> text)
     resume_files: dict[str, str]  # those a resume writes again (the launch mode's)

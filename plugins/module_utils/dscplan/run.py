@@ -34,7 +34,7 @@ LAUNCH_SPEC = (
     "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
     "dsc_code_dir", "dsc_code_shared", "dsc_entry_module", "dsc_entry_script", "dsc_entry_args",
     "dsc_train_config", "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg",
-    "dsc_resume_args", "dsc_launcher_args", "dsc_min_nodes",
+    "dsc_resume_args", "dsc_launcher_args", "dsc_min_nodes", "dsc_checkpoint_shared_dir",
 )
 # Run options that only a launch applies: they shape the files and code written into the run
 # directory then (ds_config.json, train.json, .deepspeed_env, memory.json, code/), which a resume
@@ -45,6 +45,7 @@ LAUNCH_ONLY = (
     "preset", "dsc_micro_batch", "dsc_grad_accum", "dsc_train_batch", "dsc_ds_config_overrides",
     "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_tensorboard",
     "dsc_train_config", "dsc_model_shape", "dsc_auto_memory_gib", "dsc_code_shared", "dsc_min_nodes",
+    "dsc_checkpoint_shared_dir",
 )
 # DeepSpeed launcher options a run may add (dsc_launcher_args): flag -> takes a value. The rest
 # (hostfile, include, ports, node rank, ssh) are the plan's.
@@ -416,6 +417,23 @@ def _run_files(opt, plan, run_id, config, hostfile, memory, step_down, env_text)
     }
 
 
+def _shared_checkpoints(opt, entry, run_id, resume, problems):
+    """dsc_checkpoint_shared_dir: the directory on a filesystem every node mounts where the run's
+    checkpoints go, one copy of each that any node reads ("": node-local checkpoints, each node's
+    part kept on another node too). train.run saves to <it>/<run id> unless dsc_train_config names
+    its checkpoint_dir (set in opt: launch.json keeps it for resume); a script saves where its own
+    arguments say. The runs role checks that every node sees the same directory before a start."""
+    shared = str(opt["dsc_checkpoint_shared_dir"] or "")
+    if not shared or not abs_path(problems, "dsc_checkpoint_shared_dir", shared, "/shared/checkpoints",
+                                  "(where every node saves its checkpoints)", "the training user writes there"):
+        return ""
+    train = opt["dsc_train_config"]
+    if not resume and not entry["script"] and entry["module"] == "train.run" and isinstance(train, dict) \
+            and not train.get("checkpoint_dir"):
+        opt["dsc_train_config"] = dict(train, checkpoint_dir=f"{shared.rstrip('/')}/{run_id}")
+    return shared
+
+
 def _ladder_files(step_down):
     """auto.json (the ladder: each step's preset, batch and predicted peak) and the ds_config of
     every step after the first (the first's is ds_config.json), written once, at launch."""
@@ -458,6 +476,7 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
     run_id = _run_id(opt, preset, plan, runs_seen, now, problems)
     if resume:
         _refused_on_resume(extra_vars, opt, run_id, problems)
+    shared_dir = _shared_checkpoints(opt, entry, run_id, resume, problems)
     _check_restarts(opt, launcher, problems)
     overrides = _ds_config_overrides(opt, problems)
     mode, config_arg, user_config = _config_choice(opt, problems, read=not resume)
@@ -494,7 +513,11 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
                      "DeepSpeed's tensorboard section in the config your script passes, or "
                      "use a mode the toolkit writes the config for.")
     if config is not None:
-        run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]))
+        run_sections(config, run_dir, as_bool(opt["dsc_tensorboard"]), node_local=not shared_dir)
+        if shared_dir and config["checkpoint"]["use_node_local_storage"]:
+            problems.add(f"dsc_checkpoint_shared_dir is {shared_dir!r} and the run's ds_config sets "
+                         f"checkpoint.use_node_local_storage true (each node would save the shared state "
+                         f"into the one directory). Fix: drop that key, or dsc_checkpoint_shared_dir.")
     memory = memory_record(plan, opt, entry, s, config, model, resume)
     step_down = ladder_record(plan, launcher.step_down_why(plan.num_nodes or 0), opt, options, paths, mode,
                            ladder, overrides, user_config, run_dir, auto)
@@ -519,6 +542,7 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
         code_dest=f"{run_dir}/{RunDir.CODE}" + (f"/{code_base}" if package_dir else ""),
         workdir=workdir, env=env, secrets_file=secrets_path(plan.run_root, run_id),
         commands=commands, start_args=start_args, code_archive=archive, files=files,
+        checkpoint_shared_dir=shared_dir,
         latest_globs=started if launcher.agrees_latest == "ansible" else [],
         # A resume keeps the run's files, but the launch mode's (its commands carry the resume)
         # and, with steps=N, those that hold the run's end, for this attempt and every later one.

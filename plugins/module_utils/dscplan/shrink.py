@@ -51,9 +51,9 @@ def shrink_files(opt, plan, launcher, config, step_down, problems):
         why.append(launcher.shrink_why())
     if not is_int(opt["max_restarts"]) or int(opt["max_restarts"]) < 1:
         why.append("max_restarts is 0: a run goes on on fewer nodes at a restart. Fix: -e max_restarts=2 (or more)")
-    if not as_bool(opt["dsc_checkpoint_copies"]):
+    if not as_bool(opt["dsc_checkpoint_copies"]) and not opt["dsc_checkpoint_shared_dir"]:
         why.append("dsc_checkpoint_copies is false: a lost node's part of each checkpoint would go with it. "
-                   "Fix: dsc_checkpoint_copies=true")
+                   "Fix: dsc_checkpoint_copies=true, or dsc_checkpoint_shared_dir where the nodes share a filesystem")
     sizes = (config or {}).get("train_batch_size"), (config or {}).get("train_micro_batch_size_per_gpu")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
         why.append("the run's DeepSpeed config sets no whole train_batch_size and micro-batch (a config the "

@@ -56,7 +56,8 @@ RUN_OPTIONS = (
     "dsc_ds_config_overrides", "dsc_code_dir", "dsc_code_shared", "dsc_entry_module",
     "dsc_entry_script", "dsc_entry_args", "dsc_train_config", "preflight",
     "dsc_ds_config_mode", "dsc_ds_config_file", "dsc_ds_config_arg", "dsc_resume_args",
-    "dsc_launcher_args", "dsc_stall_timeout_s", "dsc_stall_fail", "dsc_checkpoint_copies", "dsc_min_nodes", "plot_runs",
+    "dsc_launcher_args", "dsc_stall_timeout_s", "dsc_stall_fail", "dsc_checkpoint_copies", "dsc_checkpoint_shared_dir",
+    "dsc_min_nodes", "plot_runs",
     "dsc_tensorboard", "dsc_model_shape", "dsc_auto_memory_gib", "steps",
 )
 
