@@ -220,9 +220,41 @@ def _earlier_measured(plan, key):
     return (worst if worst > MEASURED_TOLERANCE else 1.0), records
 
 
-def predicted_peak(model, config, micro_batch, plan, bits):
+def measured_slope(records):
+    """What two measurements of one configuration tell that the formula cannot: from earlier runs
+    of the same key that measured the same preset at the same world size at two micro-batches or
+    more, {preset, world, micro_batch (the smallest), measured (its peak), per_sample: the peak's
+    growth per sample between the smallest and the largest (the activations this model's
+    implementation keeps, whatever it is), runs}; the widest such span, or None where none was
+    measured twice or the peak did not grow (the optimizer step's peak, not the activations')."""
+    peaks = {}
+    for m in records:
+        if m.get("measured") and is_int(m.get("micro_batch")) and is_int(m.get("world")):
+            at = peaks.setdefault((m["preset"], m["world"]), {})
+            if m["measured"] > at.get(m["micro_batch"], (0, ""))[0]:
+                at[m["micro_batch"]] = (m["measured"], m.get("run_id", "?"))
+    best = None
+    for (preset, world), at in sorted(peaks.items()):
+        low, high = min(at), max(at)
+        if high > low and at[high][0] > at[low][0] and (best is None or high - low > best["span"]):
+            best = {"preset": preset, "world": world, "micro_batch": low, "measured": at[low][0], "span": high - low,
+                    "per_sample": (at[high][0] - at[low][0]) / (high - low), "runs": [at[low][1], at[high][1]],
+                    "largest": high}
+    return best
+
+
+def from_slope(slope, need, reference_need, micro_batch):
+    """A configuration's peak from a measured slope: the measured peak at the slope's smallest
+    micro-batch, the slope's bytes per sample for each sample more (or fewer), and train/memory.py's
+    difference between this configuration and the measured one at this micro-batch (the model
+    states and ZeRO's buffers: exact where the activations are not)."""
+    return int(slope["measured"] + slope["per_sample"] * (micro_batch - slope["micro_batch"]) + need - reference_need)
+
+
+def predicted_peak(model, config, micro_batch, plan, bits, world=None):
     per_node = max(n.slots for n in plan.nodes)
-    return memory.predict(model["shape"], config, micro_batch, plan.world_size, per_node, precision=bits,
+    world = world or plan.world_size
+    return memory.predict(model["shape"], config, micro_batch, world, min(per_node, world), precision=bits,
                               attention=model["attention"], activation_checkpointing=model["checkpointing"],
                               dropout=model["dropout"], attention_dropout=model["attention_dropout"],
                               logits_fp32=model["logits_fp32"])["total"]
@@ -241,19 +273,24 @@ def step_down_ladder(candidates, chosen, room_mib):
     return ladder
 
 
-def _auto_reason(chosen, candidates, records, ratio, room, model, bits):
+def _auto_reason(chosen, candidates, records, ratio, slope, room, model, bits):
     """preset=auto's choice as lines: the chosen configuration's predicted peak against the room,
     the largest ones that did not fit, earlier measurements, the model and what was assumed."""
     tried = [c["line"] for c in candidates[:candidates.index(chosen)]]
     measured = [f"  measured before (run {m['run_id']} on {m['node']}, {m['preset']} micro-batch "
                 f"{m['micro_batch']}): {m['measured'] / 2**30:.1f} GiB against the predicted "
                 f"{m['predicted'] / 2**30:.1f} GiB (x{m['ratio']:.2f})" for m in records if m["ratio"] > MEASURED_TOLERANCE]
-    predicted = f"{chosen['predicted'] / 2**30:.1f} GiB"
-    shown_use = (f"{chosen['use'] / 2**30:.1f} GiB per GPU (reused: the measured peak of this configuration in "
-                 f"an earlier run; train/memory.py predicted {predicted})" if chosen["measured"]
-                 else f"{chosen['use'] / 2**30:.1f} GiB per GPU (predicted {predicted} by train/memory.py, "
-                      f"scaled by the measured x{ratio:.2f})" if chosen["use"] != chosen["predicted"]
-                 else f"{predicted} per GPU (train/memory.py)")
+    predicted, use = f"{chosen['predicted'] / 2**30:.1f} GiB", f"{chosen['use'] / 2**30:.1f} GiB per GPU"
+    basis = chosen["basis"]
+    shown_use = (
+        f"{use} (reused: the measured peak of this configuration in an earlier run; train/memory.py "
+        f"predicted {predicted})" if basis == "measured" else
+        f"{use} (from the peaks measured at {slope['preset']} micro-batch {slope['micro_batch']} and "
+        f"{slope['largest']} in runs {' and '.join(slope['runs'])}: {slope['per_sample'] / 2**30:.2f} GiB more per "
+        f"sample, with train/memory.py's difference between the two configurations; it predicted {predicted} "
+        f"alone)" if basis == "slope" else
+        f"{use} (predicted {predicted} by train/memory.py, scaled by the measured x{ratio:.2f})" if basis == "ratio"
+        else f"{predicted} per GPU (train/memory.py)")
     want = chosen["use"] / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
     return [f"preset=auto chose {chosen['preset']} at micro-batch {chosen['micro_batch']}: predicted peak "
             f"{shown_use}, x{AUTO_FACTOR} + {AUTO_RESERVE_MIB / 1024:.1f} GiB = {want / 1024:.1f} GiB, within "
@@ -304,6 +341,7 @@ def auto_preset(plan, opt, options, paths, entry, problems, s=None):
         where = next(n.name for n in plan.nodes if n.gpu_memory_mib == smallest)
     key = model_key(entry, model)
     ratio, records = _earlier_measured(plan, key)
+    slope = measured_slope(records)
     fixed = "dsc_micro_batch" in options
     micro_batches = [int(opt["dsc_micro_batch"])] if fixed and is_int(opt["dsc_micro_batch"]) else AUTO_MICRO_BATCHES
     caps = [c for n in plan.nodes for c in n.compute_caps]
@@ -324,14 +362,20 @@ def auto_preset(plan, opt, options, paths, entry, problems, s=None):
                 need = predicted_peak(model, config, mb, plan, bits)
                 same = [m["measured"] for m in records if (m.get("preset"), m.get("micro_batch"), m.get("world"))
                         == (name, mb, plan.world_size) and m.get("measured")]
-                use = max(same) if same else int(need * ratio)
+                if same:
+                    use, basis, how = max(same), "measured", f", measured {max(same) / 2**30:.1f} GiB"
+                elif slope:
+                    measured_config = ds_config(paths["templates"], slope["preset"], plan.accelerator, caps, sizes_mb,
+                                                overrides)
+                    use = from_slope(slope, need, predicted_peak(model, measured_config, mb, plan, bits, slope["world"]), mb)
+                    basis, how = "slope", f", from the measured slope {use / 2**30:.1f} GiB"
+                else:
+                    use, basis = int(need * ratio), "ratio" if ratio > 1 else "formula"
+                    how = f" x{ratio:.2f} measured = {use / 2**30:.1f} GiB" if ratio > 1 else ""
                 want = use / 2**20 * AUTO_FACTOR + AUTO_RESERVE_MIB
                 c = {"preset": name, "micro_batch": mb, "batch": sizes_mb, "predicted": int(need), "use": use,
-                     "measured": bool(same), "fits": want <= smallest,
-                     "line": f"{name} micro-batch {mb}: predicted {need / 2**30:.1f} GiB"
-                             + (f", measured {use / 2**30:.1f} GiB" if same else
-                                f" x{ratio:.2f} measured = {use / 2**30:.1f} GiB" if ratio > 1 else "")
-                             + f", wants {want / 1024:.1f} GiB"}
+                     "basis": basis, "fits": want <= smallest,
+                     "line": f"{name} micro-batch {mb}: predicted {need / 2**30:.1f} GiB{how}, wants {want / 1024:.1f} GiB"}
                 candidates.append(c)
                 if c["fits"] and chosen is None:
                     chosen = c
@@ -342,7 +386,7 @@ def auto_preset(plan, opt, options, paths, entry, problems, s=None):
                      f"checkpointing, a shorter sequence, or a smaller model.")
         return none
     ladder = step_down_ladder(candidates, chosen, smallest)
-    reason = _auto_reason(chosen, candidates, records, ratio, room, model, bits)
+    reason = _auto_reason(chosen, candidates, records, ratio, slope, room, model, bits)
     return chosen["preset"], chosen["micro_batch"], reason, ladder, dict(model, key=key, bits=bits)
 
 
