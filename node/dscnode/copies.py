@@ -13,7 +13,10 @@ file names in the tag folder, never see it.
 
 Before every attempt (a launch, a resume, a restart) the supervisor puts back, from its copy, the
 part of any node that lacks a checkpoint every other node holds complete (a node whose disk was
-replaced or wiped), so the run resumes from that checkpoint instead of an older one or none."""
+replaced or wiped), so the run resumes from that checkpoint instead of an older one or none.
+
+Where checkpoints go to a directory every node mounts (dsc_checkpoint_shared_dir) nothing is
+copied; shared_dir is the check, before every start, that it is one directory across the nodes."""
 import json
 import os
 import posixpath
