@@ -307,10 +307,12 @@ def _auto_reason(chosen, candidates, records, ratio, slope, room, model, bits):
 
 def auto_preset(plan, opt, options, paths, entry, problems, s=None):
     """preset=auto: the first candidate (AUTO_PRESETS at each micro-batch, largest first, then the
-    offload presets in AUTO_OFFLOAD's order for the world size) whose predicted peak per GPU
-    (train/memory.py; scaled by an earlier run's measured ratio of the same code and model) x
-    AUTO_FACTOR + AUTO_RESERVE fits the smallest GPU of the cluster (or dsc_auto_memory_gib); (preset,
-    micro-batch, the reason as lines, the step-down ladder, the model and its key), or Nones."""
+    offload presets in AUTO_OFFLOAD's order for the world size) whose peak per GPU (from earlier
+    runs of the same code and model: the same configuration's measured peak, else the slope of one
+    configuration measured at two micro-batches, else train/memory.py's prediction scaled by their
+    worst measured ratio) x AUTO_FACTOR + AUTO_RESERVE fits the smallest GPU of the cluster (or
+    dsc_auto_memory_gib); (preset, micro-batch, the reason as lines, the step-down ladder, the model
+    and its key), or Nones."""
     none = None, None, [], [], None
     budget = opt.get("dsc_auto_memory_gib") or 0
     try:
