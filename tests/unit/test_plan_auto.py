@@ -142,9 +142,32 @@ def test_preset_auto_reads_the_models_config_json_and_says_what_it_assumed(tmp_p
     assert untied["predicted"] > memory["predicted"]
 
 
+BERT_MLM = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "num_hidden_layers": 24, "hidden_size": 1280,
+            "num_attention_heads": 20, "intermediate_size": 5120, "vocab_size": 30522,
+            "max_position_embeddings": 512, "hidden_act": "gelu"}
+
+
+def test_what_a_config_json_leaves_open_is_said_and_what_the_user_gave_is_not(tmp_path):
+    """A masked LM's loss takes its logits as they come (only transformers' causal-LM loss upcasts
+    them): from a BERT config.json fp32 logits are assumed and said, from a causal LM's read; a key
+    given in dsc_model_shape is never listed as assumed from the config.json."""
+    p, errors = auto_plan(81559, dict(users_code(tmp_path, BERT_MLM), dsc_train_batch=256,
+                                      dsc_model_shape={"seq_len": 512}))
+    assert errors == [], errors
+    assumed = [line for line in p["run"]["auto"] if line.startswith("  assumed: ")]
+    assert any(line.startswith("  assumed: logits fp32 in the loss (the larger; config.json's architectures name no "
+                               "causal LM, whose transformers loss upcasts them)") for line in assumed), assumed
+    assert not any("seq_len" in line for line in assumed), assumed
+    (tmp_path / "gpt2").mkdir()
+    gpt2, _ = auto_plan(81559, dict(users_code(tmp_path / "gpt2", GPT2_CONFIG), dsc_train_batch=32))
+    lines = gpt2["run"]["auto"]
+    assert any(line.startswith("  assumed: seq_len 2048 from config.json's n_positions") for line in lines), lines
+    assert not any(line.startswith("  assumed: logits") for line in lines), lines
+
+
 def test_a_llama_config_gives_a_gated_mlp_and_no_position_embedding(tmp_path):
     values, notes = dsc_memory.hf_config_shape({
-        "model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
         "intermediate_size": 8192, "max_position_embeddings": 4096, "vocab_size": 128256,
         "attention_dropout": 0.0, "tie_word_embeddings": False, "attn_implementation": "flash_attention_2"})
     assert values == {"layers": 16, "hidden": 2048, "heads": 32, "vocab": 128256, "seq_len": 4096,

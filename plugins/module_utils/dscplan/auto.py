@@ -106,8 +106,9 @@ def _assume_unsaid(values, assumed, cfg_path):
         values["attention_dropout"] = values["dropout"]
     if "logits" not in values:
         values["logits"] = "fp32"
-        assumed.append("logits fp32 in the loss (the larger); give dsc_model_shape.logits: "
-                       "bf16 where your loss takes 16-bit logits")
+        assumed.append("logits fp32 in the loss (the larger" + ("; config.json's architectures name no causal LM, "
+                       "whose transformers loss upcasts them" if cfg_path else "") + "); give "
+                       "dsc_model_shape.logits: bf16 where your loss takes 16-bit logits")
     if "activation" not in values:
         values["activation"] = memory.ASSUMED_ACTIVATION
         assumed.append(f"activation {memory.ASSUMED_ACTIVATION} (" + (
@@ -156,6 +157,7 @@ def _model_shape(opt, entry, problems, s=None):
         return None
     cfg, cfg_path = _hf_config(given, entry, s, problems)
     values, assumed = shapes.hf_config_shape(cfg) if cfg else ({}, [])
+    assumed = [a for a in assumed if a.split()[0] not in given]  # each note names its key first
     values.update({k: _shape_value(k, v) for k, v in given.items() if k != "config"})
     if "dropout" in given and "attention_dropout" not in given:  # dropout: all of it, unless said apart
         values["attention_dropout"] = values["dropout"]

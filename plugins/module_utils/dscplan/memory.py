@@ -109,8 +109,10 @@ def hf_config_shape(cfg: dict) -> tuple[dict, list]:
         out["attention_dropout"] = attn > 0
     if resid is not None and attn is None:
         out["attention_dropout"] = resid > 0
-    # transformers' causal-LM loss upcasts the logits to fp32 (ForCausalLMLoss), whatever the dtype.
-    out["logits"] = "fp32"
+    # transformers' causal-LM loss upcasts the logits to fp32 (ForCausalLMLoss), whatever the dtype;
+    # other heads' losses (a masked LM's CrossEntropyLoss) take them as they come: left to assume.
+    if any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in cfg.get("architectures") or []):
+        out["logits"] = "fp32"
     dtype = cfg.get("torch_dtype", cfg.get("dtype"))
     if dtype not in (None, "bfloat16", "float16"):
         notes.append(f"16-bit training: config.json's torch_dtype is {dtype}, and DeepSpeed's bf16/fp16 casts the model, "
