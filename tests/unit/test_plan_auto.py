@@ -384,6 +384,36 @@ def test_two_measured_micro_batches_predict_the_other_configurations_of_the_benc
                 "train/memory.py's difference between the two configurations; it predicted 127.2 GiB alone)"), p["run"]["auto"]
 
 
+def test_on_the_llama_style_model_the_formula_runs_out_of_memory_and_two_measured_micro_batches_do_not(tmp_path):
+    """bench/gpu_auto_table.sh on one H100 80 GB (bench/results/gpu/auto-table): a Llama-style model
+    (20 x 2560, eager attention set in its script, config.json alone, global batch 32). The formula
+    alone chooses zero1 at micro-batch 4, which ran out of memory there; zero1's measured peaks at
+    micro-batch 1 and 2 (14.6 GiB more per sample) rule every micro-batch 4 out and choose zero1 at
+    2, 0.995 of the fastest hand-picked configuration (zero0 at 2, which auto never takes)."""
+    rows = [json.loads(x) for x in (ROOT / "bench" / "results" / "gpu" / "auto-table" / "auto-table.jsonl")
+            .read_text().splitlines()]
+    llama = {(r["stage"], r["micro_batch"]): r for r in rows if r.get("what") == "config" and r["model"] == "llama"}
+    assert llama[(1, 4)]["oom"] and llama[(2, 4)]["oom"] and not llama[(1, 2)]["oom"]
+    opts = dict(users_code(tmp_path, json.loads((ROOT / "bench" / "auto_table" / "llama" / "config.json").read_text())),
+                dsc_train_batch=32)
+    h100 = 81559  # nvidia-smi's memory.total, MiB
+    first, errors = auto_plan(h100, opts)
+    assert errors == [] and (first["run"]["preset"], first["run"]["batch"]["micro_batch"]) == ("zero1", 4)
+    key = json.loads(first["run"]["files"]["memory.json"])["key"]
+    hostvars, groups, probes = gpus_of(h100)
+    probes["node1"]["runs"] = [
+        {"id": f"zero1-mb{mb}", "mtime": 1.0, "started": True, "active": False, "finished": True, "launch": {},
+         "memory": {"key": key, "preset": "zero1", "micro_batch": mb, "world": 1, "predicted": 1,
+                    "measured": llama[(1, mb)]["peak_bytes"], "ratio": 2.0}} for mb in (1, 2)]
+    p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts, now="20261130-000001", full_run=True)
+    assert errors == [] and (p["run"]["preset"], p["run"]["batch"]["micro_batch"]) == ("zero1", 2), p["run"]["auto"]
+    for preset in ("zero1", "zero2", "zero3"):
+        line = next(x for x in p["run"]["auto"] if x.startswith(f"  no room: {preset} micro-batch 4: "))
+        assert float(re.findall(r"from the measured slope ([\d.]+) GiB", line)[0]) > h100 / 1024, line
+    fastest = max(r["tokens_per_s"] for r in llama.values() if r["tokens_per_s"])
+    assert llama[(1, 2)]["tokens_per_s"] >= 0.97 * fastest
+
+
 @pytest.mark.parametrize("peaks, expected", [
     ({4: 50, 8: 78}, (4, 7.0)),
     ({2: 40, 4: 50, 8: 78}, (2, 38 / 6)),  # the widest span
