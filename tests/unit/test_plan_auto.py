@@ -302,19 +302,33 @@ def test_preset_auto_on_cpu_nodes_plans_for_the_memory_it_is_given(tmp_path):
     assert any(e.startswith("dsc_auto_memory_gib is 'lots'. Fix:") for e in errors), errors
 
 
-def test_preset_auto_on_the_benchmarked_gpt2_chooses_what_fit_the_h200(tmp_path):
-    """bench/user_gpt2 (GPT2LMHeadModel, its config.json naming no activation: GPT2Config's composed
-    gelu_new, assumed and said) on one H200 (140.4 GiB), a batch of 32, as bench/gpu_user_auto.sh ran
-    it: the measured peaks (bench/results/gpu/user-auto/summary.json) of what auto chooses fit. sdpa no
-    longer takes zero1 at micro-batch 16 (measured 133.3 GiB allocated, 138.3 reserved, of 140.4):
-    with gelu_new counted its prediction (127.2 GiB) x1.3 + 1.5 GiB does not fit."""
+def benchmarked_gpt2(tmp_path):
+    """bench/user_gpt2's code and config.json in tmp_path, the peaks bench/gpu_user_auto.sh measured
+    ({(attention, preset, micro-batch): GiB}) and its shape for dsc_model_shape."""
     code = tmp_path / "code"
     code.mkdir()
     (code / "config.json").write_text((ROOT / "bench" / "user_gpt2" / "config.json").read_text())
     (code / "user_gpt2.py").write_text("print('train')\n")
     rows = json.loads((ROOT / "bench" / "results" / "gpu" / "user-auto" / "summary.json").read_text())["rows"]
     measured = {(r["attn"], r["preset"], r["micro_batch"]): r["measured_gib"] for r in rows}
-    shape = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257, "seq_len": 2048}
+    return code, measured, {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257, "seq_len": 2048}
+
+
+def earlier_runs(key, peaks):
+    """The probe's runs of a node holding earlier zero1 runs of the model `key` on one GPU, one per
+    {micro-batch: measured bytes}, as records.memory_summary reports them."""
+    return [{"id": f"zero1-mb{mb}", "mtime": 1.0, "started": True, "active": False, "finished": True, "launch": {},
+             "memory": {"key": key, "preset": "zero1", "micro_batch": mb, "world": 1, "predicted": 1,
+                        "measured": measured, "ratio": 2.0}} for mb, measured in peaks.items()]
+
+
+def test_preset_auto_on_the_benchmarked_gpt2_chooses_what_fit_the_h200(tmp_path):
+    """bench/user_gpt2 (GPT2LMHeadModel, its config.json naming no activation: GPT2Config's composed
+    gelu_new, assumed and said) on one H200 (140.4 GiB), a batch of 32, as bench/gpu_user_auto.sh ran
+    it: the measured peaks (bench/results/gpu/user-auto/summary.json) of what auto chooses fit. sdpa no
+    longer takes zero1 at micro-batch 16 (measured 133.3 GiB allocated, 138.3 reserved, of 140.4):
+    with gelu_new counted its prediction (127.2 GiB) x1.3 + 1.5 GiB does not fit."""
+    code, measured, shape = benchmarked_gpt2(tmp_path)
     chose = {}
     for attention in ("eager", "sdpa"):
         given = dict(shape, attention="sdpa") if attention == "sdpa" else shape
@@ -343,13 +357,7 @@ def test_two_measured_micro_batches_predict_the_other_configurations_of_the_benc
     difference between configurations (the model states) predict the configurations never run with
     those two within 1 % of what they measured (the formula alone, fitted to the eager runs, is 5 %
     under sdpa's)."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "config.json").write_text((ROOT / "bench" / "user_gpt2" / "config.json").read_text())
-    (code / "user_gpt2.py").write_text("print('train')\n")
-    rows = json.loads((ROOT / "bench" / "results" / "gpu" / "user-auto" / "summary.json").read_text())["rows"]
-    measured = {(r["attn"], r["preset"], r["micro_batch"]): r["measured_gib"] for r in rows}
-    shape = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257, "seq_len": 2048}
+    code, measured, shape = benchmarked_gpt2(tmp_path)
     for attention, unseen in (("sdpa", [("zero1", 16), ("zero2", 16)]), ("eager", [("zero2", 8), ("zero3", 8)])):
         opts = {"preset": "auto", "dsc_code_dir": str(code), "dsc_entry_script": "user_gpt2.py", "dsc_train_batch": 32,
                 "dsc_model_shape": dict(shape, attention="sdpa") if attention == "sdpa" else shape}
@@ -357,11 +365,7 @@ def test_two_measured_micro_batches_predict_the_other_configurations_of_the_benc
         assert errors == [], errors
         key = json.loads(first["run"]["files"]["memory.json"])["key"]
         hostvars, groups, probes = gpus_of(143771)
-        probes["node1"]["runs"] = [
-            {"id": f"zero1-mb{mb}", "mtime": 1.0, "started": True, "active": False, "finished": True, "launch": {},
-             "memory": {"key": key, "preset": "zero1", "micro_batch": mb, "world": 1, "predicted": 1,
-                        "measured": int(measured[(attention, "zero1", mb)] * 2**30), "ratio": 2.0}}
-            for mb in (4, 8)]
+        probes["node1"]["runs"] = earlier_runs(key, {mb: int(measured[(attention, "zero1", mb)] * 2**30) for mb in (4, 8)})
         p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts, now="20261130-000001",
                                       full_run=True)
         assert errors == [], errors
@@ -401,10 +405,7 @@ def test_on_the_llama_style_model_the_formula_runs_out_of_memory_and_two_measure
     assert errors == [] and (first["run"]["preset"], first["run"]["batch"]["micro_batch"]) == ("zero1", 4)
     key = json.loads(first["run"]["files"]["memory.json"])["key"]
     hostvars, groups, probes = gpus_of(h100)
-    probes["node1"]["runs"] = [
-        {"id": f"zero1-mb{mb}", "mtime": 1.0, "started": True, "active": False, "finished": True, "launch": {},
-         "memory": {"key": key, "preset": "zero1", "micro_batch": mb, "world": 1, "predicted": 1,
-                    "measured": llama[(1, mb)]["peak_bytes"], "ratio": 2.0}} for mb in (1, 2)]
+    probes["node1"]["runs"] = earlier_runs(key, {mb: llama[(1, mb)]["peak_bytes"] for mb in (1, 2)})
     p, errors = dscplan.make_plan(hostvars, groups, probes, DEFAULTS, PATHS, opts, now="20261130-000001", full_run=True)
     assert errors == [] and (p["run"]["preset"], p["run"]["batch"]["micro_batch"]) == ("zero1", 2), p["run"]["auto"]
     for preset in ("zero1", "zero2", "zero3"):

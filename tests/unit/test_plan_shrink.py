@@ -116,6 +116,10 @@ def test_a_shared_checkpoint_directory_takes_the_place_of_copies_and_train_run_s
     ("/shared/../etc/ckpt", "Fix: an absolute path of letters, digits"),
     ("/shared/ck pt;rm", "Fix: an absolute path of letters, digits"),
     ("/etc", "in the system tree /etc"),
+    ("/shared/$(id)", "Fix: an absolute path of letters, digits"),
+    ("/shared/ckpt\n", "Fix: an absolute path of letters, digits"),
+    ("/shared/ckpt;reboot", "Fix: an absolute path of letters, digits"),
+    ("#jinja2:variable_start_string:'[%'\n/shared/[% 7*7 %]", "not an absolute path"),
 ])
 def test_a_shared_checkpoint_directory_that_is_no_safe_absolute_path_is_refused(value, needle):
     p, errors = plan(3, options=dict(GO_ON, dsc_checkpoint_shared_dir=value), full_run=True)

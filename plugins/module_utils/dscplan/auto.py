@@ -423,7 +423,8 @@ def memory_record(plan, opt, entry, s, config, model, resume):
             "assumed": model["assumed"]}
 
 
-def ladder_record(plan, launcher_why, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto):
+def ladder_record(plan, launcher_why, opt, options, paths, mode, ladder, overrides, user_config, run_dir, auto,
+                  node_local=True):
     """auto.json for the supervisor: preset=auto's ladder (the chosen configuration first), each
     step with its ds_config (written to a file of its own: run._ladder_files), predicted peak and batch; the steps are said in auto's lines. None
     (and said why) where an out-of-memory error cannot step down (`launcher_why`: the launch
@@ -446,7 +447,7 @@ def ladder_record(plan, launcher_why, opt, options, paths, mode, ladder, overrid
                              plan.world_size, Problems())
         if cfg is None:
             return None
-        run_sections(cfg, run_dir, as_bool(opt["dsc_tensorboard"]), node_local=not opt["dsc_checkpoint_shared_dir"])
+        run_sections(cfg, run_dir, as_bool(opt["dsc_tensorboard"]), node_local=node_local)
         steps.append({"preset": c["preset"], "micro_batch": c["micro_batch"],
                       "grad_accum": c["batch"]["grad_accum"], "train_batch": c["batch"]["train_batch"],
                       "predicted": c["predicted"], "ds_config": cfg})

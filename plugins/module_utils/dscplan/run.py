@@ -520,7 +520,7 @@ def plan_run(plan, s, launcher, options, defaults, paths, problems, runs_seen, n
                          f"into the one directory). Fix: drop that key, or dsc_checkpoint_shared_dir.")
     memory = memory_record(plan, opt, entry, s, config, model, resume)
     step_down = ladder_record(plan, launcher.step_down_why(plan.num_nodes or 0), opt, options, paths, mode,
-                           ladder, overrides, user_config, run_dir, auto)
+                           ladder, overrides, user_config, run_dir, auto, node_local=not shared_dir)
     env = _run_env(plan, run_id, run_dir, secrets, config_arg)
     hostfile, env_text = rendered_files(paths, plan, env, problems)
     commands = _commands(plan, launcher, run_dir, entry, config_arg, resume)
